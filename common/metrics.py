@@ -1,0 +1,235 @@
+"""Prometheus metrics for the draft and target services.
+
+One `ServiceMetrics` per service process. Every series carries `service` and `model`
+labels (constant per process) so one dashboard and one set of rules serve both
+services and several models. Conventions (checked by `promtool check metrics` in
+tests): prefix `specsplit_`, base units, `_total` only on counters, no colons, no
+per-request labels. docs/metrics.md lists every series and who increments it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "specsplit_"
+
+# Per-step latencies: a GPU verify step or TPOT can sit well under a millisecond, a CPU
+# demo step takes tens to hundreds of ms. 1-2-5 steps keep each bucket within 2.5x, so
+# histogram_quantile stays within about a bucket's width at both speeds with 15 buckets.
+STEP_BUCKETS = (
+    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+)  # fmt: skip
+# Per-request latencies (TTFT, end to end, queue): from a millisecond to a long CPU generation.
+REQUEST_BUCKETS = (
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 300.0,
+)  # fmt: skip
+
+GRPC_DIRECTIONS = ("sent", "received")
+
+CommStats = Callable[[], dict[tuple[str, str], tuple[int, int]]]
+
+
+class TPCommCollector(Collector):
+    """Exports the TP collective counters kept by common.distributed at scrape time.
+
+    comm_stats() returns {(op, site): (calls, bytes)} for this process; reading it at
+    scrape time keeps the hot path free of any Prometheus call.
+    """
+
+    def __init__(self, service: str, model: str, comm_stats: CommStats | None):
+        self.service, self.model, self.comm_stats = service, model, comm_stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        labels = ["service", "model", "op", "site"]
+        calls = CounterMetricFamily(
+            PREFIX + "tp_comm_calls", "Tensor-parallel collective calls, by op and call site.", labels=labels
+        )
+        nbytes = CounterMetricFamily(
+            PREFIX + "tp_comm_bytes",
+            "Tensor-parallel collective payload bytes sent by this rank, by op and call site.",
+            labels=labels,
+        )
+        stats = self.comm_stats() if self.comm_stats is not None else {}
+        for (op, site), (n_calls, n_bytes) in sorted(stats.items()):
+            calls.add_metric([self.service, self.model, op, site], n_calls)
+            nbytes.add_metric([self.service, self.model, op, site], n_bytes)
+        yield calls
+        yield nbytes
+
+
+class ServiceMetrics:
+    """All metrics of one service process, children pre-labelled with service and model.
+
+    Pass a fresh CollectorRegistry to have several instances in one process (tests);
+    two instances on the same registry raise ValueError (duplicated timeseries).
+    """
+
+    def __init__(
+        self,
+        service: str,
+        model: str,
+        registry: CollectorRegistry = REGISTRY,
+        comm_stats: CommStats | None = None,
+    ):
+        if not service or not model:
+            raise ValueError(f"ServiceMetrics needs non-empty service and model, got {service=!r} {model=!r}")
+        self.service, self.model = service, model
+        base = ("service", "model")
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(PREFIX + name, doc, base, registry=registry, buckets=buckets).labels(
+                service, model
+            )
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
+            family = Counter(PREFIX + name, doc, base + extra, registry=registry)
+            return family.labels(service, model) if not extra else family
+
+        def gauge(name: str, doc: str):
+            return Gauge(PREFIX + name, doc, base, registry=registry).labels(service, model)
+
+        # Latency histograms.
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "Per request: decode time / (output tokens - 1), observed when the request finishes.",
+            STEP_BUCKETS,
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Time between consecutive streamed chunks of a request.",
+            STEP_BUCKETS,
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Request arrival to first streamed token.", REQUEST_BUCKETS
+        )
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "Request arrival to final response.", REQUEST_BUCKETS
+        )
+        self.queue_time = histogram(
+            "queue_time_seconds", "Request arrival to admission into the running batch.", REQUEST_BUCKETS
+        )
+        self.draft_step = histogram(
+            "draft_step_seconds", "One draft proposal step for the batch (k positions).", STEP_BUCKETS
+        )
+        self.verify_step = histogram(
+            "verify_step_seconds", "One target verify step for the batch (k+1 positions).", STEP_BUCKETS
+        )
+        self.round_trip = histogram(
+            "draft_round_trip_seconds",
+            "Target sends a draft request to the proposal arriving back, seen from the target.",
+            STEP_BUCKETS,
+        )
+
+        # Speculation counters (target side sees verdicts; draft side sees draft-ahead).
+        self.drafts = counter("spec_drafts_total", "Speculation rounds: one per request per verify step.")
+        self.draft_tokens = counter("spec_draft_tokens_total", "Draft tokens proposed to the verifier.")
+        self.accepted_tokens = counter("spec_accepted_tokens_total", "Draft tokens accepted by the verifier.")
+        self._accepted_per_position = counter(
+            "spec_accepted_tokens_per_position_total",
+            "Draft tokens accepted at each draft position (0 = first drafted token).",
+            ("position",),
+        )
+        self.draft_ahead_hits = counter(
+            "draft_ahead_hits_total", "Draft-ahead proposals used because the verdict matched the guess."
+        )
+        self.draft_ahead_misses = counter(
+            "draft_ahead_misses_total", "Draft-ahead proposals dropped because the verdict differed."
+        )
+        self.fallback_steps = counter(
+            "spec_fallback_steps_total", "Target steps run as plain decoding (k=0) because the draft failed."
+        )
+        self.draft_reconnects = counter("draft_reconnects_total", "Reconnect attempts from target to draft.")
+        self.generated_tokens = counter("generation_tokens_total", "Output tokens streamed to clients.")
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self._finished = counter(
+            "requests_finished_total", "Requests finished, by reason (stop, length, abort...).", ("reason",)
+        )
+        self._errors = counter(
+            "request_errors_total", "Requests failed, by gRPC status code name.", ("code",)
+        )
+        self._grpc_bytes = counter(
+            "grpc_payload_bytes_total",
+            "Serialized gRPC message bytes, by direction (sent|received) and message kind.",
+            ("direction", "kind"),
+        )
+        self._grpc_messages = counter(
+            "grpc_messages_total",
+            "gRPC messages, by direction (sent|received) and message kind.",
+            ("direction", "kind"),
+        )
+
+        # Gauges.
+        self.running = gauge("running_requests", "Requests in the running batch.")
+        self.waiting = gauge("waiting_requests", "Requests admitted to the queue, not yet running.")
+        self.batch_size = gauge("batch_size", "Requests in the last executed step.")
+        self.kv_slots_used = gauge("kv_slots_used", "KV cache slots held by requests.")
+        # A gauge may not end in _total (promtool lint), hence _capacity for the attribute kv_slots_total.
+        self.kv_slots_total = gauge("kv_slots_capacity", "KV cache slots available in total.")
+        self.draft_connected = gauge(
+            "draft_connected", "1 while the target holds a healthy stream to the draft service, else 0."
+        )
+        self._info = Info(
+            PREFIX + "service", "Static facts about this service process.", base, registry=registry
+        )
+        self._info.labels(service, model).info({})
+
+        registry.register(TPCommCollector(service, model, comm_stats))
+
+    def accepted_at_position(self, position: int):
+        """Counter child for draft position `position`, 0-based (0 = first drafted token)."""
+        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+            raise ValueError(f"position must be an int >= 0 (0-based draft position), got {position!r}")
+        return self._accepted_per_position.labels(self.service, self.model, str(position))
+
+    def finished(self, reason: str):
+        return self._finished.labels(self.service, self.model, _label("reason", reason))
+
+    def request_error(self, code: str):
+        return self._errors.labels(self.service, self.model, _label("code", code))
+
+    def grpc_bytes(self, direction: str, kind: str):
+        return self._grpc_bytes.labels(self.service, self.model, _direction(direction), _label("kind", kind))
+
+    def grpc_messages(self, direction: str, kind: str):
+        return self._grpc_messages.labels(
+            self.service, self.model, _direction(direction), _label("kind", kind)
+        )
+
+    def count_grpc_message(self, direction: str, kind: str, nbytes: int) -> None:
+        """Counts one message and its serialized size (message.ByteSize())."""
+        self.grpc_messages(direction, kind).inc()
+        self.grpc_bytes(direction, kind).inc(nbytes)
+
+    def observe_tpot(self, decode_seconds: float, output_tokens: int) -> None:
+        """TPOT of a finished request: decode time over the tokens after the first one.
+
+        Requests with fewer than two output tokens have no TPOT and are not observed.
+        """
+        if output_tokens >= 2:
+            self.tpot.observe(decode_seconds / (output_tokens - 1))
+
+    def set_info(self, **facts: object) -> None:
+        """Sets specsplit_service_info labels, e.g. tp_size=2, device="cuda", dtype="bfloat16"."""
+        self._info.labels(self.service, self.model).info({k: str(v) for k, v in facts.items()})
+
+
+def _label(field: str, value: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"metric label {field!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _direction(direction: str) -> str:
+    if direction not in GRPC_DIRECTIONS:
+        raise ValueError(f"gRPC direction must be one of {GRPC_DIRECTIONS}, got {direction!r}")
+    return direction
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0", registry: CollectorRegistry = REGISTRY) -> int:
+    """Serves /metrics over HTTP on a daemon thread; returns the bound port (port 0 picks a free one)."""
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server.server_port
