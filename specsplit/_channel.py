@@ -1,0 +1,149 @@
+"""Channel construction shared by the sync and asyncio clients: options, credentials, service config."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+TARGET_SERVICE = "specsplit.v1.TargetService"
+HEALTH_SERVICE = "grpc.health.v1.Health"
+HEALTH_CHECK_METHOD = f"/{HEALTH_SERVICE}/Check"
+
+# Token ids for a long prompt are a few MB at most; 64 MiB leaves room without being unbounded.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# A gRPC server (default policy) answers pings more often than every 5 minutes on a stream that sends
+# no data with GOAWAY "too_many_pings", which kills the stream. A generation can sit in the queue that
+# long, so ping no more often than the server's default allowance.
+KEEPALIVE_TIME_MS = 300_000
+KEEPALIVE_TIMEOUT_MS = 20_000
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff for UNAVAILABLE, applied by gRPC itself (service config `retryPolicy`).
+
+    gRPC commits a call once the server sends response headers or a message, so a stream that already
+    produced tokens is never replayed; only a call that failed before its first response is retried.
+    gRPC caps `max_attempts` at 5 and draws each backoff uniformly from [0, current backoff].
+    """
+
+    max_attempts: int = 5
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 5.0
+    backoff_multiplier: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.max_attempts <= 5:
+            raise ValueError(f"max_attempts: must be in [2, 5] (gRPC's limit), got {self.max_attempts}")
+        if self.initial_backoff_s <= 0 or self.max_backoff_s < self.initial_backoff_s:
+            raise ValueError("initial_backoff_s/max_backoff_s: need 0 < initial_backoff_s <= max_backoff_s")
+        if self.backoff_multiplier < 1:
+            raise ValueError(f"backoff_multiplier: must be >= 1, got {self.backoff_multiplier}")
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Server authentication (and, with a client certificate and key, mTLS), all PEM bytes.
+
+    `root_certificates=None` uses the system roots. `server_name` overrides the name checked against
+    the server certificate (e.g. connecting by IP to a certificate issued for a DNS name).
+    """
+
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise ValueError("certificate_chain/private_key: a client certificate needs its key and back")
+
+    @classmethod
+    def from_files(
+        cls,
+        ca_cert: str | Path | None = None,
+        client_cert: str | Path | None = None,
+        client_key: str | Path | None = None,
+        server_name: str | None = None,
+    ) -> TLSConfig:
+        def read(path: str | Path | None) -> bytes | None:
+            return Path(path).read_bytes() if path is not None else None
+
+        return cls(read(ca_cert), read(client_cert), read(client_key), server_name)
+
+
+def service_config(retry: RetryPolicy | None) -> str:
+    """round_robin over every address the name resolves to (a headless Kubernetes service gives one
+    per pod with `dns:///name:port`), plus the retry policy for every method this SDK calls."""
+    config: dict[str, Any] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if retry is not None:
+        config["methodConfig"] = [
+            {
+                "name": [{"service": TARGET_SERVICE}, {"service": HEALTH_SERVICE}],
+                "retryPolicy": {
+                    "maxAttempts": retry.max_attempts,
+                    "initialBackoff": f"{retry.initial_backoff_s}s",
+                    "maxBackoff": f"{retry.max_backoff_s}s",
+                    "backoffMultiplier": retry.backoff_multiplier,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    return json.dumps(config)
+
+
+def channel_options(
+    retry: RetryPolicy | None, tls: TLSConfig | None, extra: tuple[tuple[str, Any], ...] = ()
+) -> list[tuple[str, Any]]:
+    options: dict[str, Any] = {
+        "grpc.service_config": service_config(retry),
+        "grpc.enable_retries": 1 if retry is not None else 0,
+        "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
+        "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
+        "grpc.keepalive_time_ms": KEEPALIVE_TIME_MS,
+        "grpc.keepalive_timeout_ms": KEEPALIVE_TIMEOUT_MS,
+        "grpc.keepalive_permit_without_calls": 0,
+        "grpc.http2.max_pings_without_data": 0,
+        # gRPC's default reconnect backoff grows to 120 s; a client of an inference service that restarts
+        # (a pod rollout) should find it again within seconds.
+        "grpc.initial_reconnect_backoff_ms": 200,
+        "grpc.min_reconnect_backoff_ms": 200,
+        "grpc.max_reconnect_backoff_ms": 5_000,
+    }
+    if tls is not None and tls.server_name is not None:
+        options["grpc.ssl_target_name_override"] = tls.server_name
+    options.update(dict(extra))
+    return list(options.items())
+
+
+def _credentials(tls: TLSConfig) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(tls.root_certificates, tls.private_key, tls.certificate_chain)
+
+
+def sync_channel(
+    target: str, retry: RetryPolicy | None, tls: TLSConfig | None, extra: tuple[tuple[str, Any], ...]
+) -> grpc.Channel:
+    options = channel_options(retry, tls, extra)
+    if tls is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, _credentials(tls), options=options)
+
+
+def aio_channel(
+    target: str, retry: RetryPolicy | None, tls: TLSConfig | None, extra: tuple[tuple[str, Any], ...]
+) -> grpc.aio.Channel:
+    options = channel_options(retry, tls, extra)
+    if tls is None:
+        return grpc.aio.insecure_channel(target, options=options)
+    return grpc.aio.secure_channel(target, _credentials(tls), options=options)
+
+
+def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    # Sent as plain metadata rather than call credentials so a token also works on an insecure
+    # loopback/sidecar channel; use TLS whenever the token crosses a network.
+    return (("authorization", f"Bearer {token}"),) if token else ()
