@@ -242,7 +242,9 @@ class GetDraftInfoResponse(_message.Message):
     markov_head: _builtins.bool
     markov_head_mode: _builtins.str
     tp_bytes: _builtins.int
-    """TP collective bytes summed over ranks, and draft tokens produced, since start."""
+    """TP collective bytes moved by rank 0 (every rank moves the same volume) and
+    draft tokens proposed, since start.
+    """
     draft_tokens: _builtins.int
     draft_ahead_hits: _builtins.int
     draft_ahead_misses: _builtins.int

@@ -60,6 +60,7 @@ class GenerateRequest(_message.Message):
     """Optional client-chosen id (used by Abort); the server assigns one if empty."""
     text: _builtins.str
     max_new_tokens: _builtins.int
+    """Must be > 0 (signed so that a negative value gets a clear error, not a wrap)."""
     num_speculative_tokens: _builtins.int
     """Number of speculative tokens for this request; unset means the server default."""
     ignore_eos: _builtins.bool
