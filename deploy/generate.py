@@ -1,0 +1,271 @@
+"""Generates the committed deploy artefacts that have a single source elsewhere.
+
+- kubernetes/base/specsplit-dashboard.json: the Grafana dashboard, built with grafana-foundation-sdk.
+- kubernetes/base/prometheusrule.yaml: the PrometheusRule CR wrapping prometheus/*.rules.yaml, so
+  promtool checks and tests exactly the rules the cluster runs.
+
+    python deploy/generate.py          # rewrite both files
+    python deploy/generate.py --check  # exit 1 if a committed file differs from the generator
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import yaml
+from grafana_foundation_sdk.builders import common as gc
+from grafana_foundation_sdk.builders import dashboard as gd
+from grafana_foundation_sdk.builders import prometheus as gp
+from grafana_foundation_sdk.builders import timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, TooltipDisplayMode
+from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DataSourceRef, VariableRefresh
+
+DEPLOY = Path(__file__).resolve().parent
+DASHBOARD_PATH = DEPLOY / "kubernetes" / "base" / "specsplit-dashboard.json"
+PROMETHEUS_RULE_PATH = DEPLOY / "kubernetes" / "base" / "prometheusrule.yaml"
+RULE_FILES = (DEPLOY / "prometheus" / "recording.rules.yaml", DEPLOY / "prometheus" / "alerts.rules.yaml")
+
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SEL = 'model=~"$model", service=~"$service"'
+TARGET = 'model=~"$model", service="target"'
+
+
+def rate(metric: str, selector: str) -> str:
+    return f"rate({metric}{{{selector}}}[$__rate_interval])"
+
+
+def quantiles(metric: str, selector: str, qs: tuple[float, ...] = (0.5, 0.99)) -> list[tuple[str, str]]:
+    by = "sum by (model, service, le)"
+    return [
+        (
+            f"histogram_quantile({q}, {by} ({rate(metric + '_bucket', selector)}))",
+            f"p{round(q * 100)} {{{{service}}}}",
+        )
+        for q in qs
+    ]
+
+
+def per(num: str, num_sel: str, den: str, den_sel: str, by: str = "model") -> str:
+    """Ratio of two counters' rates; `by` may carry labels only the numerator has (matched on model)."""
+    match = "" if by == "model" else " / on (model) group_left"
+    div = match or " /"
+    return f"sum by ({by}) ({rate(num, num_sel)}){div} sum by (model) ({rate(den, den_sel)})"
+
+
+def panel(title: str, unit: str, queries: list[tuple[str, str]], description: str = "") -> dict:
+    return {"title": title, "unit": unit, "queries": queries, "description": description}
+
+
+ACCEPTED, DRAFT_TOKENS, DRAFTS = (
+    "specsplit_spec_accepted_tokens_total",
+    "specsplit_spec_draft_tokens_total",
+    "specsplit_spec_drafts_total",
+)
+FALLBACKS, RECONNECTS = "specsplit_spec_fallback_steps_total", "specsplit_draft_reconnects_total"
+HITS, MISSES = "specsplit_draft_ahead_hits_total", "specsplit_draft_ahead_misses_total"
+MODEL = 'model=~"$model"'
+
+# Rows of panels. Units are Grafana unit ids. Queries read exported series only (no recording rules), so
+# the dashboard works before the PrometheusRule is installed and the scrape test can check every name.
+ROWS: list[tuple[str, list[dict]]] = [
+    ("Latency", [
+        panel("TPOT p50 / p90 / p99", "s", quantiles("specsplit_time_per_output_token_seconds", TARGET,
+                                                     (0.5, 0.9, 0.99)),
+              "Per request: decode time / (output tokens - 1)."),
+        panel("Time to first token", "s", quantiles("specsplit_time_to_first_token_seconds", TARGET)),
+        panel("Inter-token latency", "s", quantiles("specsplit_inter_token_latency_seconds", TARGET),
+              "Between streamed chunks; a chunk carries every token accepted in a round."),
+        panel("End-to-end and queue time p99", "s",
+              quantiles("specsplit_e2e_request_latency_seconds", TARGET, (0.99,))
+              + quantiles("specsplit_queue_time_seconds", TARGET, (0.99,))),
+    ]),
+    ("Speculation", [
+        panel("Output tokens/s", "short",
+              [(f"sum by (model) ({rate('specsplit_generation_tokens_total', TARGET)})", "{{model}}")]),
+        panel("Acceptance rate", "percentunit", [(per(ACCEPTED, TARGET, DRAFT_TOKENS, TARGET), "{{model}}")],
+              "Accepted draft tokens / proposed draft tokens."),
+        panel("Acceptance by draft position", "percentunit",
+              [(per("specsplit_spec_accepted_tokens_per_position_total", TARGET, DRAFTS, TARGET,
+                    by="model, position"), "pos {{position}} {{model}}")],
+              "Accepted at position i / rounds. Position 0 is the first drafted token."),
+        panel("Mean accepted length", "short", [(per(ACCEPTED, TARGET, DRAFTS, TARGET), "{{model}}")],
+              "Accepted draft tokens per round; tokens emitted per round are one more."),
+        panel("Draft-ahead hit rate", "percentunit",
+              [(f"sum by (model) ({rate(HITS, MODEL)}) / (sum by (model) ({rate(HITS, MODEL)})"
+                f" + sum by (model) ({rate(MISSES, MODEL)}))", "{{model}}")]),
+        panel("Fallbacks to plain decoding and reconnects", "short", [
+            (f"sum by (model) ({rate(FALLBACKS, TARGET)})", "fallbacks/s {{model}}"),
+            (f"sum by (model) ({rate(RECONNECTS, TARGET)})", "reconnects/s {{model}}"),
+        ]),
+    ]),
+    ("Communication", [
+        panel("TP collective bytes/s by op and site", "Bps",
+              [(f"sum by (service, op, site) ({rate('specsplit_tp_comm_bytes_total', SEL)})",
+                "{{service}} {{op}} {{site}}")],
+              "Bytes sent in TP collectives, summed over the ranks that report them."),
+        panel("TP bytes per draft token", "bytes",
+              [(per("specsplit_tp_comm_bytes_total", SEL, DRAFT_TOKENS, TARGET, by="model, service"),
+                "{{service}} {{model}}")]),
+        panel("gRPC payload bytes/s", "Bps",
+              [(f"sum by (service, direction, kind) ({rate('specsplit_grpc_payload_bytes_total', SEL)})",
+                "{{service}} {{direction}} {{kind}}")]),
+        panel("gRPC bytes per generated token", "bytes",
+              [(per("specsplit_grpc_payload_bytes_total", SEL, "specsplit_generation_tokens_total", TARGET,
+                    by="model, service"), "{{service}} {{model}}")]),
+    ]),
+    ("Steps", [
+        panel("Draft vs verify step time", "s",
+              quantiles("specsplit_draft_step_seconds", SEL)
+              + quantiles("specsplit_verify_step_seconds", SEL)),
+        panel("Target-draft round trip", "s", quantiles("specsplit_draft_round_trip_seconds", TARGET),
+              "Draft request sent to proposal received, seen from the target."),
+    ]),
+    ("Load", [
+        panel("Running and waiting requests", "short", [
+            (f"sum by (service) (specsplit_running_requests{{{SEL}}})", "running {{service}}"),
+            (f"sum by (service) (specsplit_waiting_requests{{{SEL}}})", "waiting {{service}}"),
+        ]),
+        panel("Batch size", "short", [(f"avg by (service) (specsplit_batch_size{{{SEL}}})", "{{service}}")]),
+        panel("KV slot usage", "percentunit",
+              [(f"sum by (service) (specsplit_kv_slots_used{{{SEL}}})"
+                f" / sum by (service) (specsplit_kv_slots_capacity{{{SEL}}})", "{{service}}")]),
+        panel("Draft connected", "short",
+              [(f"min by (pod) (specsplit_draft_connected{{{TARGET}}})", "{{pod}}")],
+              "1 while a target pod holds a healthy stream to the draft service."),
+    ]),
+]  # fmt: skip
+
+
+def build_dashboard() -> dict:
+    board = (
+        gd.Dashboard("specsplit")
+        .uid("specsplit")
+        .description("Speculative decoding split across draft and target services.")
+        .tags(["specsplit", "llm-serving"])
+        .refresh("30s")
+        .time("now-1h", "now")
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .with_variable(gd.DatasourceVariable("datasource").label("Data source").type("prometheus"))
+        .with_variable(label_variable("model", "label_values(specsplit_service_info, model)"))
+        .with_variable(
+            label_variable("service", 'label_values(specsplit_service_info{model=~"$model"}, service)')
+        )
+    )
+    panel_id = 0
+    for row_title, panels in ROWS:
+        panel_id += 1
+        board = board.with_row(gd.Row(row_title).id(panel_id))
+        for spec in panels:
+            panel_id += 1
+            built = (
+                timeseries.Panel()
+                .id(panel_id)
+                .title(spec["title"])
+                .unit(spec["unit"])
+                .datasource(DATASOURCE)
+                .height(8)
+                .span(8)
+                .legend(
+                    gc.VizLegendOptions()
+                    .display_mode(LegendDisplayMode.LIST)
+                    .placement(LegendPlacement.BOTTOM)
+                )
+                .tooltip(gc.VizTooltipOptions().mode(TooltipDisplayMode.MULTI))
+            )
+            if spec["description"]:
+                built = built.description(spec["description"])
+            for ref, (expr, legend) in zip("ABCDEFGH", spec["queries"], strict=False):
+                built = built.with_target(gp.Dataquery().expr(expr).legend_format(legend).ref_id(ref))
+            board = board.with_panel(built)
+    return json.loads(json.dumps(board.build(), cls=JSONEncoder))
+
+
+def label_variable(name: str, query: str) -> gd.QueryVariable:
+    return (
+        gd.QueryVariable(name)
+        .label(name)
+        .query(query)
+        .datasource(DATASOURCE)
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+    )
+
+
+def dashboard_json() -> str:
+    return json.dumps(build_dashboard(), indent=2, sort_keys=True) + "\n"
+
+
+def panel_queries(dashboard: dict) -> list[tuple[str, str]]:
+    """(panel title, expr) for every query of every panel, rows included."""
+    panels = list(dashboard.get("panels", []))
+    for panel in list(panels):
+        panels.extend(panel.get("panels", []))
+    return [(p["title"], t["expr"]) for p in panels for t in p.get("targets", []) if "expr" in t]
+
+
+_METRIC_NAME = re.compile(r"\b(specsplit_[a-zA-Z0-9_]+)\b")
+
+
+def metric_names(expr: str) -> set[str]:
+    """Exported series names a PromQL expression reads (specsplit_ prefix; recorded series have colons)."""
+    return set(_METRIC_NAME.findall(expr))
+
+
+class _LiteralBlockDumper(yaml.SafeDumper):
+    pass
+
+
+def _str_presenter(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_LiteralBlockDumper.add_representer(str, _str_presenter)
+
+
+def prometheus_rule_yaml() -> str:
+    groups = [group for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]]
+    rule = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "specsplit", "labels": {"app.kubernetes.io/part-of": "specsplit"}},
+        "spec": {"groups": groups},
+    }
+    header = "# Generated by deploy/generate.py from deploy/prometheus/*.rules.yaml; do not edit.\n"
+    return header + yaml.dump(
+        rule, Dumper=_LiteralBlockDumper, sort_keys=False, explicit_start=True, width=1000
+    )
+
+
+def outputs() -> dict[Path, str]:
+    return {DASHBOARD_PATH: dashboard_json(), PROMETHEUS_RULE_PATH: prometheus_rule_yaml()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", action="store_true", help="fail if a committed file is stale")
+    args = parser.parse_args()
+    stale = []
+    for path, text in outputs().items():
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(path)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    for path in stale:
+        print(f"stale: {path.relative_to(DEPLOY.parent)} (run python deploy/generate.py)", file=sys.stderr)
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
