@@ -1,0 +1,130 @@
+"""Loads a Hugging Face-format checkpoint directory into a tensor-parallel `Transformer`.
+
+Each parameter knows which slice of the full checkpoint tensor its rank holds (`param.shard`), and only
+that slice is read (safe_open + get_slice), so no rank ever materialises a full copy of a sharded weight.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from common.config import ModelConfig
+from common.distributed import Comm
+from common.models.transformer import Transformer
+from common.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["Tokenizer", "check_local_argmax", "load_model", "load_tokenizer"]
+
+DRAFT_SAMPLING_MODES = ("greedy", "sampled")
+
+
+class CheckpointFiles:
+    """Tensor name -> safetensors file, from model.safetensors.index.json or by scanning *.safetensors."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._handles: dict[Path, object] = {}
+        index = path / "model.safetensors.index.json"
+        if index.is_file():
+            with open(index) as f:
+                self.where = {name: path / file for name, file in json.load(f)["weight_map"].items()}
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+            self.where = {}
+            for file in files:
+                for name in self._open(file).keys():
+                    self.where[name] = file
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            if not file.is_file():
+                raise FileNotFoundError(f"{self.path}: index names {file.name}, which does not exist")
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    def get_slice(self, name: str):
+        if name not in self.where:
+            raise ValueError(f"{self.path}: checkpoint is missing tensor '{name}'")
+        return self._open(self.where[name]).get_slice(name)
+
+
+def load_param(files: CheckpointFiles, name: str, param: nn.Parameter) -> None:
+    spec = param.shard
+    sl = files.get_slice(name)
+    found = tuple(sl.get_shape())
+    if found != spec.full_shape:
+        raise ValueError(f"{files.path}: tensor '{name}' has shape {found}, expected {spec.full_shape}")
+    if spec.dim is None:
+        param.data.copy_(sl[:])
+        return
+    end = min(spec.start + spec.size, found[spec.dim])
+    rows = max(0, end - spec.start)
+    if rows < spec.size:
+        param.data.zero_()  # vocab padding
+    if rows:
+        index = [slice(None)] * len(found)
+        index[spec.dim] = slice(spec.start, end)
+        param.data.narrow(spec.dim, 0, rows).copy_(sl[tuple(index)])
+
+
+def check_local_argmax(model: nn.Module, use_local_argmax_reduction: bool, draft_sampling: str) -> None:
+    """The local-argmax switch only makes sense for greedy drafting on a model that can reduce locally."""
+    if draft_sampling not in DRAFT_SAMPLING_MODES:
+        raise ValueError(f"draft_sampling={draft_sampling!r}: expected one of {DRAFT_SAMPLING_MODES}")
+    if not use_local_argmax_reduction:
+        return
+    if draft_sampling != "greedy":
+        raise ValueError(
+            "use_local_argmax_reduction=True is incompatible with draft_sampling='sampled': "
+            "probabilistic drafting needs the full vocab distribution, local argmax only yields the top id"
+        )
+    if not callable(getattr(model, "get_top_tokens", None)):
+        raise ValueError(
+            f"use_local_argmax_reduction=True: draft model {type(model).__name__} has no get_top_tokens()"
+        )
+
+
+def load_model(
+    path: str | Path,
+    comm: Comm,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    markov_head_mode: str = "replicated",
+    use_local_argmax_reduction: bool = False,
+    draft_sampling: str = "greedy",
+    progress: bool = False,
+    replicate_lm_head: bool = False,
+) -> Transformer:
+    """Builds the model for `comm.rank` and reads only that rank's slices of the checkpoint.
+
+    markov_head_mode: "replicated" (no collective) or "sharded" (the all_reduce + gather baseline).
+    replicate_lm_head: keep the whole LM head on every rank (disable_tp); no gather for its logits.
+    """
+    path = Path(path)
+    if draft_sampling not in DRAFT_SAMPLING_MODES or (
+        use_local_argmax_reduction and draft_sampling != "greedy"
+    ):
+        check_local_argmax(
+            nn.Module(), use_local_argmax_reduction, draft_sampling
+        )  # fail before reading weights
+    config = ModelConfig.from_pretrained(path)
+    model = Transformer(config, comm, markov_head_mode, replicate_lm_head, dtype, device)
+    files = CheckpointFiles(path)
+    params = list(model.named_parameters())
+    for i, (name, param) in enumerate(params):
+        load_param(files, name, param)
+        if progress:
+            print(f"\rloading {path.name}: {i + 1}/{len(params)} tensors", end="", file=sys.stderr)
+    if progress:
+        print(file=sys.stderr)
+    check_local_argmax(model, use_local_argmax_reduction, draft_sampling)
+    model.use_local_argmax_reduction = use_local_argmax_reduction
+    return model.eval()

@@ -1,0 +1,240 @@
+"""Writes tiny random checkpoints in Hugging Face layout (config.json + safetensors), deterministic per seed.
+
+Scales are chosen so the models behave like language models in the ways tests care about: every layer
+moves the residual stream (outputs depend on context, greedy continuations vary) and logits have a
+spread of a few units, so top-2 margins are almost always far above fp32 noise.
+
+A draft can be built from a base (`base`, `share_layers`): it copies the base's embeddings, final norm,
+LM head and first layers, so its greedy guesses agree with the base often but not always.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _tensor_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], float]]:
+    """Checkpoint tensor name -> (shape, init std). Norm weights are marked with -(their mean)."""
+    h, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    nh, nkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    head_vocab = cfg.get("draft_vocab_size") or vocab
+    tied = cfg["tie_word_embeddings"]
+    shapes: dict[str, tuple[tuple[int, ...], float]] = {
+        "model.embed_tokens.weight": ((vocab, h), 1.6 / math.sqrt(h) if tied else 1.0),
+        "model.norm.weight": ((h,), -2.0 if tied else -1.0),
+    }
+    if not tied:
+        shapes["lm_head.weight"] = ((head_vocab, h), 3.0 / math.sqrt(h))
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = ((h,), -1.0)
+        shapes[p + "post_attention_layernorm.weight"] = ((h,), -1.0)
+        for name, out in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+            shapes[p + f"self_attn.{name}.weight"] = ((out, h), 1.0 / math.sqrt(h))
+            if cfg.get("attention_bias"):
+                shapes[p + f"self_attn.{name}.bias"] = ((out,), 0.1)
+        shapes[p + "self_attn.o_proj.weight"] = ((h, nh * hd), 4.0 / math.sqrt(nh * hd))
+        if cfg["architectures"][0] == "Qwen3ForCausalLM":
+            shapes[p + "self_attn.q_norm.weight"] = ((hd,), -1.0)
+            shapes[p + "self_attn.k_norm.weight"] = ((hd,), -1.0)
+        shapes[p + "mlp.gate_proj.weight"] = ((inter, h), 1.0 / math.sqrt(h))
+        shapes[p + "mlp.up_proj.weight"] = ((inter, h), 1.0 / math.sqrt(h))
+        shapes[p + "mlp.down_proj.weight"] = ((h, inter), 4.0 / math.sqrt(inter))
+    r = cfg.get("markov_rank", 0)
+    if r:
+        shapes["markov_head.markov_w1.weight"] = ((vocab, r), 1.0)
+        shapes["markov_head.markov_w2.weight"] = ((head_vocab, r), 1.0 / math.sqrt(r))
+    return shapes
+
+
+def _random_tensors(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, std) in _tensor_shapes(cfg).items():
+        if std < 0:  # norm weight near -std, not exactly, so a missed load shows
+            out[name] = -std * (1.0 + 0.1 * torch.randn(shape, generator=gen))
+        else:
+            out[name] = std * torch.randn(shape, generator=gen)
+    return out
+
+
+def _read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _write_checkpoint(path: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
+    if num_shards <= 1:
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[shard::num_shards]}
+        save_file(part, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def make_tiny_model(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    architecture: str = "Qwen3ForCausalLM",
+    tie_word_embeddings: bool = True,
+    markov_rank: int = 0,
+    base: str | Path | None = None,
+    share_layers: int = 0,
+    max_position_embeddings: int = 2048,
+    draft_vocab_size: int | None = None,
+    num_shards: int = 1,
+    head_dim: int | None = None,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    eos_token_id: int | None = None,
+    dtype: str = "float32",
+) -> Path:
+    """Writes config.json + model.safetensors (or `num_shards` files and an index) and returns the dir.
+
+    With `base`, the shapes come from the base config and the draft copies the base's embeddings, final
+    norm, LM head (rows of the draft vocab when `draft_vocab_size` is set) and first `share_layers` layers.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    base_cfg = json.loads((Path(base) / "config.json").read_text()) if base is not None else None
+    if base_cfg is not None:
+        vocab_size, hidden_size = base_cfg["vocab_size"], base_cfg["hidden_size"]
+        num_heads, num_kv_heads = base_cfg["num_attention_heads"], base_cfg["num_key_value_heads"]
+        intermediate_size, head_dim = base_cfg["intermediate_size"], base_cfg["head_dim"]
+        architecture, rope_theta = base_cfg["architectures"][0], base_cfg["rope_theta"]
+        rope_scaling, max_position_embeddings = base_cfg["rope_scaling"], base_cfg["max_position_embeddings"]
+        if share_layers > min(num_layers, base_cfg["num_hidden_layers"]):
+            raise ValueError(f"share_layers={share_layers} exceeds the draft's or the base's layer count")
+    if architecture not in MODEL_TYPES:
+        raise ValueError(f"architecture={architecture!r}: expected one of {list(MODEL_TYPES)}")
+    if draft_vocab_size == vocab_size:
+        draft_vocab_size = None
+    if draft_vocab_size is not None:
+        tie_word_embeddings = False  # a draft-vocab head cannot share the full-vocab embedding
+    cfg = {
+        "architectures": [architecture],
+        "model_type": MODEL_TYPES[architecture],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim or hidden_size // num_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+        "attention_bias": architecture == "Qwen2ForCausalLM",
+        "torch_dtype": dtype,
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "final_logit_softcapping": final_logit_softcapping,
+        "logit_scale": logit_scale,
+        "markov_rank": markov_rank,
+    }
+    if draft_vocab_size is not None:
+        cfg["draft_vocab_size"] = draft_vocab_size
+    tensors = _random_tensors(cfg, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    draft_ids = None
+    if draft_vocab_size is not None:
+        draft_ids = torch.randperm(vocab_size, generator=gen)[:draft_vocab_size].sort().values
+        tensors["d2t"] = draft_ids - torch.arange(draft_vocab_size)
+    if base_cfg is not None:
+        _copy_from_base(tensors, _read_checkpoint(Path(base)), base_cfg, share_layers, draft_ids)
+    tensors = {
+        n: t.to(_DTYPES[dtype]).contiguous() if t.is_floating_point() else t for n, t in tensors.items()
+    }
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    _write_checkpoint(path, tensors, num_shards)
+    return path
+
+
+def _copy_from_base(tensors, base_tensors, base_cfg, share_layers: int, draft_ids) -> None:
+    tensors["model.embed_tokens.weight"] = base_tensors["model.embed_tokens.weight"].float()
+    tensors["model.norm.weight"] = base_tensors["model.norm.weight"].float()
+    base_head = base_tensors.get("lm_head.weight", base_tensors["model.embed_tokens.weight"]).float()
+    if "lm_head.weight" in tensors:
+        tensors["lm_head.weight"] = base_head if draft_ids is None else base_head[draft_ids]
+    for i in range(share_layers):
+        prefix = f"model.layers.{i}."
+        for name, t in base_tensors.items():
+            if name.startswith(prefix):
+                tensors[name] = t.float()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specsplit make-tiny-model", description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path, help="output directory")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab-size", type=int, default=512)
+    ap.add_argument("--hidden-size", type=int, default=64)
+    ap.add_argument("--num-layers", type=int, default=2)
+    ap.add_argument("--num-heads", type=int, default=4)
+    ap.add_argument("--num-kv-heads", type=int, default=2)
+    ap.add_argument("--intermediate-size", type=int, default=128)
+    ap.add_argument("--architecture", default="Qwen3ForCausalLM", choices=list(MODEL_TYPES))
+    ap.add_argument("--untied", action="store_true", help="separate lm_head.weight")
+    ap.add_argument("--markov-rank", type=int, default=0, help="add a Markov head of this rank")
+    ap.add_argument("--draft-vocab-size", type=int, default=None, help="LM head over a subset (d2t table)")
+    ap.add_argument("--base", type=Path, default=None, help="build a draft sharing weights with this model")
+    ap.add_argument("--share-layers", type=int, default=0)
+    ap.add_argument("--num-shards", type=int, default=1, help="safetensors files (>1 writes an index)")
+    ap.add_argument("--dtype", default="float32", choices=list(_DTYPES))
+    a = ap.parse_args(argv)
+    out = make_tiny_model(
+        a.out,
+        seed=a.seed,
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        num_layers=a.num_layers,
+        num_heads=a.num_heads,
+        num_kv_heads=a.num_kv_heads,
+        intermediate_size=a.intermediate_size,
+        architecture=a.architecture,
+        tie_word_embeddings=not a.untied,
+        markov_rank=a.markov_rank,
+        draft_vocab_size=a.draft_vocab_size,
+        base=a.base,
+        share_layers=a.share_layers,
+        num_shards=a.num_shards,
+        dtype=a.dtype,
+    )
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
