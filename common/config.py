@@ -98,7 +98,8 @@ class ModelConfig:
         tie = bool(raw.get("tie_word_embeddings", False))
         if draft_vocab is not None and tie:
             raise ValueError(
-                f"config.json: tie_word_embeddings=true needs draft_vocab_size ({draft_vocab}) == vocab_size ({vocab})"
+                "config.json: tie_word_embeddings=true needs "
+                f"draft_vocab_size ({draft_vocab}) == vocab_size ({vocab})"
             )
         return cls(
             architecture=arch,

@@ -38,7 +38,7 @@ class VocabParallelEmbedding(nn.Module):
         dtype=None,
         device=None,
     ):
-        """`pad_for_tp`: pad as if split `pad_for_tp` ways (lets a replicated head line up with a sharded one)."""
+        """`pad_for_tp`: pad as if split that many ways (a replicated head lines up with a sharded one)."""
         super().__init__()
         self.comm = comm
         self.site = site
