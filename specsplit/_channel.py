@@ -16,10 +16,11 @@ HEALTH_CHECK_METHOD = f"/{HEALTH_SERVICE}/Check"
 
 # Token ids for a long prompt are a few MB at most; 64 MiB leaves room without being unbounded.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# A gRPC server (default policy) answers pings more often than every 5 minutes on a stream that sends
-# no data with GOAWAY "too_many_pings", which kills the stream. A generation can sit in the queue that
-# long, so ping no more often than the server's default allowance.
-KEEPALIVE_TIME_MS = 300_000
+# A stream can sit in the queue for minutes without data; pings keep NAT/LB idle timers from dropping it.
+# A server answers pings more frequent than its min_ping_interval_without_data (specsplit's: 10 s, gRPC's
+# default: 5 min) with GOAWAY, which would kill the stream: 30 s suits specsplit's servers; raise it
+# (channel_options) for a server or proxy with gRPC's default policy.
+KEEPALIVE_TIME_MS = 30_000
 KEEPALIVE_TIMEOUT_MS = 20_000
 
 
@@ -33,8 +34,8 @@ class RetryPolicy:
     """
 
     max_attempts: int = 5
-    initial_backoff_s: float = 0.5
-    max_backoff_s: float = 5.0
+    initial_backoff_s: float = 0.25
+    max_backoff_s: float = 2.0
     backoff_multiplier: float = 2.0
 
     def __post_init__(self) -> None:

@@ -150,7 +150,7 @@ class GenerateOptions(TypedDict, total=False):
     max_new_tokens: int
     temperature: float
     top_k: int
-    top_p: float
+    top_p: float | None
     seed: int | None
     stop_token_ids: Sequence[int]
     stop_strings: Sequence[str]
@@ -163,13 +163,13 @@ def _invalid(details: str) -> InvalidRequestError:
     return InvalidRequestError(grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
-def _non_negative(name: str, value: int) -> int:
-    # operator.index accepts numpy/torch integer scalars and refuses floats and bools-as-text alike.
+def _integer(name: str, value: int, non_negative: bool = False) -> int:
+    # operator.index accepts numpy/torch integer scalars and refuses floats and strings.
     try:
         index = operator.index(value)
     except TypeError:
         raise _invalid(f"{name}: must be an int, got {value!r}") from None
-    if index < 0 or isinstance(value, bool):
+    if isinstance(value, bool) or (non_negative and index < 0):
         raise _invalid(f"{name}: must be an int >= 0, got {value!r}")
     return index
 
@@ -177,32 +177,36 @@ def _non_negative(name: str, value: int) -> int:
 def build_request(
     prompt: str | Iterable[int], **options: Unpack[GenerateOptions]
 ) -> target_pb2.GenerateRequest:
-    """The GenerateRequest for a text prompt or token ids. Values the proto cannot hold (negative or
-    non-integer ids) are refused here, naming the field; the server validates everything else."""
+    """The GenerateRequest for a text prompt or token ids. Only what the proto cannot hold (negative or
+    non-integer ids) is refused here, naming the field; the server validates the values."""
     request = target_pb2.GenerateRequest(
         request_id=options.get("request_id") or uuid.uuid4().hex,
-        max_new_tokens=_non_negative("max_new_tokens", options.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
-        stop_token_ids=[_non_negative("stop_token_ids", t) for t in options.get("stop_token_ids", ())],
+        max_new_tokens=_integer("max_new_tokens", options.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
+        stop_token_ids=[
+            _integer("stop_token_ids", t, non_negative=True) for t in options.get("stop_token_ids", ())
+        ],
         stop_strings=list(options.get("stop_strings", ())),
         ignore_eos=options.get("ignore_eos", False),
         sampling=sampling_pb2.SamplingParams(
             temperature=float(options.get("temperature", 0.0)),
-            top_k=_non_negative("sampling.top_k", options.get("top_k", 0)),
-            top_p=float(options.get("top_p", 0.0)),
+            top_k=_integer("sampling.top_k", options.get("top_k", 0)),
         ),
     )
     if isinstance(prompt, str):
         request.text = prompt
     elif isinstance(prompt, Iterable):
-        request.token_ids.ids.extend([_non_negative("token_ids", t) for t in prompt])
+        request.token_ids.ids.extend([_integer("token_ids", t, non_negative=True) for t in prompt])
     else:
         raise _invalid(f"prompt: expected str or token ids, got {type(prompt).__name__}")
+    top_p = options.get("top_p")
+    if top_p is not None:
+        request.sampling.top_p = float(top_p)
     seed = options.get("seed")
     if seed is not None:
-        request.sampling.seed = _non_negative("sampling.seed", seed)
+        request.sampling.seed = _integer("sampling.seed", seed, non_negative=True)
     num_speculative_tokens = options.get("num_speculative_tokens")
     if num_speculative_tokens is not None:
-        request.num_speculative_tokens = _non_negative("num_speculative_tokens", num_speculative_tokens)
+        request.num_speculative_tokens = _integer("num_speculative_tokens", num_speculative_tokens)
     return request
 
 
