@@ -1,0 +1,136 @@
+"""What both services' gRPC servers share: TLS/mTLS, bearer-token auth, health, reflection."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+# Long generations: keep idle streams alive, allow big prompts.
+SERVER_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+# Health and reflection stay open so Kubernetes probes and grpcurl work without a token.
+UNAUTHENTICATED_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+def read_file(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot read {path!r}: {exc.strerror}") from exc
+
+
+def read_token(path: str) -> str:
+    token = read_file(path, "--auth-token-file").decode().strip()
+    if not token:
+        raise ValueError(f"--auth-token-file: {path!r} is empty")
+    return token
+
+
+class BearerTokenInterceptor(grpc.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or invalid bearer token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny)
+        self._deny_stream_stream = grpc.stream_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
+        method = handler_call_details.method
+        if method.startswith(UNAUTHENTICATED_PREFIXES):
+            return continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        given = str(metadata.get("authorization", "")).encode()
+        if hmac.compare_digest(given, self._expected):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return self._deny_stream_stream
+        if handler.response_streaming:
+            return self._deny_unary_stream
+        return self._deny_unary
+
+
+def make_server(max_workers: int, auth_token_file: str | None) -> grpc.Server:
+    interceptors = [BearerTokenInterceptor(read_token(auth_token_file))] if auth_token_file else []
+    return grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=interceptors,
+        options=SERVER_OPTIONS,
+    )
+
+
+def add_port(
+    server: grpc.Server, address: str, tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None
+) -> int:
+    """Binds plaintext, TLS, or mTLS (client CA given). Returns the bound port."""
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    if tls_client_ca and not tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    if tls_cert:
+        creds = grpc.ssl_server_credentials(
+            [(read_file(tls_key, "--tls-key"), read_file(tls_cert, "--tls-cert"))],
+            root_certificates=read_file(tls_client_ca, "--tls-client-ca") if tls_client_ca else None,
+            require_client_auth=bool(tls_client_ca),
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise ValueError(f"--port: cannot bind {address}")
+    return port
+
+
+def add_health_and_reflection(server: grpc.Server, service_names: Sequence[str]) -> health.HealthServicer:
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    set_health(servicer, service_names, serving=False)
+    return servicer
+
+
+def set_health(servicer: health.HealthServicer, service_names: Sequence[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *service_names):
+        servicer.set(name, status)
+
+
+def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
+    if not (ca or cert):
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=read_file(ca, "--draft-tls-ca") if ca else None,
+        private_key=read_file(key, "--draft-tls-key") if key else None,
+        certificate_chain=read_file(cert, "--draft-tls-cert") if cert else None,
+    )

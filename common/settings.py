@@ -1,0 +1,99 @@
+"""Service configuration: one dataclass per service, exposed as flags and env vars.
+
+Each dataclass field becomes a flag `--field-name` and an environment variable
+`SPECSPLIT_FIELD_NAME` (for containers); a flag beats the environment, which beats
+the default. Help text lives in the field's metadata, so flags, env vars and docs
+come from one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+ENV_PREFIX = "SPECSPLIT_"
+
+
+def flag(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def _base_type(tp: Any) -> type:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        tp = _base_type(hints[field.name])
+        name = "--" + field.name.replace("_", "-")
+        help_text = (
+            f"{field.metadata.get('help', '')} [env {env_name(field.name)}; default {field.default!r}]"
+        )
+        if tp is bool:
+            parser.add_argument(
+                name, dest=field.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(
+                name,
+                dest=field.name,
+                type=tp,
+                default=None,
+                choices=field.metadata.get("choices"),
+                help=help_text,
+            )
+    return parser
+
+
+def parse_config(cls: type[T], argv: list[str] | None, prog: str, description: str = "") -> T:
+    """Flags, then SPECSPLIT_* environment variables, then defaults. Errors name the flag."""
+    parser = build_parser(cls, prog, description)
+    args = vars(parser.parse_args(argv))
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        value = args[field.name]
+        if value is None and env_name(field.name) in os.environ:
+            raw = os.environ[env_name(field.name)]
+            tp = _base_type(hints[field.name])
+            try:
+                value = _parse_bool(raw) if tp is bool else tp(raw)
+            except ValueError as exc:
+                parser.error(f"{env_name(field.name)}: {exc}")
+            choices = field.metadata.get("choices")
+            if choices and value not in choices:
+                parser.error(f"{env_name(field.name)}: {value!r} is not one of {', '.join(choices)}")
+        if value is not None:
+            values[field.name] = value
+    config = cls(**values)
+    validate = getattr(config, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ValueError as exc:
+            parser.error(str(exc))
+    return config

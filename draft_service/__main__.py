@@ -1,0 +1,104 @@
+"""`python -m draft_service` / `specsplit serve-draft`: the draft gRPC service."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+from common.distributed import Comm, comm_stats
+from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
+from common.kv_cache import SlotTable
+from common.lifecycle import install_drain_handler
+from common.logs import setup_logging
+from common.metrics import ServiceMetrics, start_metrics_server
+from common.settings import parse_config
+from common.tp_executor import TPExecutor, launch_tp
+from draft_service.config import DraftConfig
+from draft_service.engine import DraftRunner, DraftState
+from draft_service.server import DraftServicer
+from specsplit.v1 import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger("specsplit.draft")
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+def _worker(comm: Comm, config: DraftConfig) -> TPExecutor:
+    return DraftRunner(comm, config).executor
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(DraftConfig, argv, "specsplit serve-draft", "Draft service for specsplit.")
+    setup_logging(config.log_format, config.log_level, "draft")
+    log.info(
+        "loading draft model %s (tp=%d, %s, %s, %s)",
+        config.model,
+        config.tp_size,
+        config.device,
+        config.dtype,
+        config.method,
+    )
+    t0 = time.perf_counter()
+    try:
+        comm, workers = launch_tp(config.tp_size, config.device, _worker, config)
+        runner = DraftRunner(comm, config)
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("cannot load the draft model: %s", exc)
+        return 2
+    mc = runner.model.config
+    log.info(
+        "draft model loaded in %.1fs: %s, vocab %d, markov head %s",
+        time.perf_counter() - t0,
+        mc.name,
+        mc.vocab_size,
+        f"rank {mc.markov_rank} ({config.markov_head_mode})" if mc.markov_rank else "off",
+    )
+
+    metrics = ServiceMetrics("draft", mc.name, comm_stats=comm_stats)
+    metrics.kv_slots_total.set(config.max_batch_size)
+    state = DraftState(runner, SlotTable(config.max_batch_size))
+    servicer = DraftServicer(
+        config, state, metrics, mc.name, mc.vocab_size, comm.world_size, mc.markov_rank > 0
+    )
+    servicer.max_target_id = runner.max_target_id()
+
+    try:
+        server = make_server(config.grpc_workers, config.auth_token_file or None)
+        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
+        health = add_health_and_reflection(server, [SERVICE_NAME])
+        port = add_port(
+            server,
+            f"{config.host}:{config.port}",
+            config.tls_cert or None,
+            config.tls_key or None,
+            config.tls_client_ca or None,
+        )
+        metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    server.start()
+    set_health(health, [SERVICE_NAME], serving=True)
+    log.info("ready: grpc port %d, metrics port %d", port, metrics_port)
+    print(f"SPECSPLIT_READY grpc={port} metrics={metrics_port}", flush=True)
+
+    stopped = threading.Event()
+
+    def drain() -> None:
+        set_health(health, [SERVICE_NAME], serving=False)
+        # Targets fall back to plain decoding on their own; give open streams a moment.
+        server.stop(grace=5).wait()
+        stopped.set()
+
+    install_drain_handler(drain)
+    stopped.wait()
+    runner.executor.shutdown()
+    for w in workers:
+        w.join(timeout=10)
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

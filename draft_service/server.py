@@ -1,0 +1,205 @@
+"""The draft service's gRPC front (TP rank 0)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from common.distributed import comm_stats
+from common.metrics import ServiceMetrics
+from draft_service.config import DraftConfig
+from draft_service.engine import DraftRequest, DraftState, Proposal
+from specsplit.v1 import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger("specsplit.draft")
+
+_END = object()
+
+
+class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+    def __init__(
+        self,
+        config: DraftConfig,
+        state: DraftState,
+        metrics: ServiceMetrics,
+        model_name: str,
+        vocab_size: int,
+        tp_size: int,
+        markov: bool,
+    ):
+        self.config = config
+        self.state = state
+        self.metrics = metrics
+        self.model_name = model_name
+        self.vocab_size = vocab_size
+        self.tp_size = tp_size
+        self.markov = markov
+        self.engine_lock = threading.Lock()  # one model, many target streams
+        self.streams = 0
+        self.max_target_id = -1
+
+    # -- helpers -------------------------------------------------------------
+    def _count(self, direction: str, kind: str, msg) -> None:
+        self.metrics.grpc_bytes(direction, kind).inc(msg.ByteSize())
+        self.metrics.grpc_messages(direction, kind).inc()
+
+    def _update_gauges(self, live: int) -> None:
+        self.metrics.kv_slots_used.set(self.state.slots.num_used)
+        self.metrics.running.set(self.state.slots.num_used)
+
+    def _check_request(
+        self, msg: draft_pb2.SpeculateRequest, reqs: dict[int, DraftRequest], context: grpc.ServicerContext
+    ) -> None:
+        for s in msg.starts:
+            if s.request_id in reqs:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"starts.request_id: {s.request_id} already live"
+                )
+            if not s.token_ids:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"starts.token_ids: empty for {s.request_id}")
+            if s.num_speculative_tokens > self.config.max_speculative_tokens:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"starts.num_speculative_tokens: {s.num_speculative_tokens} > "
+                    f"{self.config.max_speculative_tokens}",
+                )
+            if max(s.token_ids) >= self.vocab_size:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"starts.token_ids: id >= vocab {self.vocab_size}"
+                )
+        for v in msg.verdicts:
+            if v.request_id not in reqs:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"verdicts.request_id: {v.request_id} unknown"
+                )
+            if v.start > len(reqs[v.request_id].committed):
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"verdicts.start: {v.start} beyond the context"
+                )
+
+    def _to_pb(self, request_id: int, p: Proposal) -> draft_pb2.Proposal:
+        return draft_pb2.Proposal(
+            request_id=request_id,
+            token_ids=p.tokens,
+            top_k=self.config.sampled_top_k if p.topk_ids else 0,
+            topk_ids=p.topk_ids,
+            topk_probs=p.topk_probs,
+            draft_ahead_hit=p.ahead_hit,
+        )
+
+    # -- RPCs ------------------------------------------------------------------
+    def Speculate(
+        self, request_iterator: Iterator[draft_pb2.SpeculateRequest], context: grpc.ServicerContext
+    ) -> Iterator[draft_pb2.SpeculateResponse]:
+        inbox: queue.Queue = queue.Queue()
+
+        def read() -> None:
+            try:
+                for msg in request_iterator:
+                    inbox.put(msg)
+            except grpc.RpcError:
+                pass
+            finally:
+                inbox.put(_END)
+
+        threading.Thread(target=read, name="draft-reader", daemon=True).start()
+        reqs: dict[int, DraftRequest] = {}
+        self.streams += 1
+        log.info("target stream opened (%s), %d open", context.peer(), self.streams)
+        last_step = -1
+        try:
+            while True:
+                msg = inbox.get()
+                if msg is _END or not context.is_active():
+                    return
+                self._count("received", "speculate_request", msg)
+                if msg.step <= last_step:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step: {msg.step} not after {last_step}")
+                last_step = msg.step
+                if msg.target_vocab_size and self.max_target_id >= msg.target_vocab_size:
+                    context.abort(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"target_vocab_size: {msg.target_vocab_size} is smaller than the draft's "
+                        f"vocabulary ({self.max_target_id + 1})",
+                    )
+                self._check_request(msg, reqs, context)
+                with self.engine_lock:
+                    response, proposed = self._step(msg, reqs, context)
+                self._count("sent", "speculate_response", response)
+                yield response
+                # Draft-ahead runs while the target verifies, unless the next step is already here.
+                if self.config.draft_ahead and proposed and inbox.empty():
+                    with self.engine_lock:
+                        t0 = time.perf_counter()
+                        self.state.draft_ahead(*proposed)
+                        self.metrics.draft_step.observe(time.perf_counter() - t0)
+        finally:
+            with self.engine_lock:
+                for req in reqs.values():
+                    self.state.release(req)
+                self._update_gauges(0)
+            self.streams -= 1
+            log.info("target stream closed (%s), %d open", context.peer(), self.streams)
+
+    def _step(
+        self, msg: draft_pb2.SpeculateRequest, reqs: dict[int, DraftRequest], context: grpc.ServicerContext
+    ):
+        for rid in msg.releases:
+            req = reqs.pop(rid, None)
+            if req is not None:
+                self.state.release(req)
+        for s in msg.starts:
+            try:
+                reqs[s.request_id] = self.state.start(
+                    s.request_id,
+                    list(s.token_ids),
+                    s.num_speculative_tokens,
+                    s.sampling.temperature,
+                    s.sampling.seed,
+                )
+            except RuntimeError:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "starts: no free draft KV slot")
+        for v in msg.verdicts:
+            hit = self.state.apply_verdict(reqs[v.request_id], v.start, list(v.token_ids))
+            if hit is True:
+                self.metrics.draft_ahead_hits.inc()
+            elif hit is False:
+                self.metrics.draft_ahead_misses.inc()
+        targets = [reqs[r] for r in msg.propose if r in reqs]
+        t0 = time.perf_counter()
+        proposals = self.state.propose(targets) if targets else {}
+        elapsed = time.perf_counter() - t0
+        if targets:
+            self.metrics.draft_step.observe(elapsed)
+            self.metrics.drafts.inc(sum(1 for p in proposals.values() if p.tokens))
+            self.metrics.draft_tokens.inc(sum(len(p.tokens) for p in proposals.values()))
+        self._update_gauges(len(reqs))
+        response = draft_pb2.SpeculateResponse(
+            step=msg.step,
+            proposals=[self._to_pb(rid, p) for rid, p in proposals.items()],
+            draft_seconds=elapsed,
+        )
+        return response, (targets, proposals) if targets else None
+
+    def GetDraftInfo(
+        self, request: draft_pb2.GetDraftInfoRequest, context: grpc.ServicerContext
+    ) -> draft_pb2.GetDraftInfoResponse:
+        return draft_pb2.GetDraftInfoResponse(
+            model=self.model_name,
+            vocab_size=self.vocab_size,
+            tp_size=self.tp_size,
+            method=self.config.method,
+            max_speculative_tokens=self.config.max_speculative_tokens,
+            sampled_top_k=self.config.sampled_top_k,
+            markov_head=self.markov,
+            markov_head_mode=self.config.markov_head_mode if self.markov else "",
+            tp_bytes=sum(b for _, b in comm_stats().values()),
+            draft_tokens=self.state.draft_tokens,
+            draft_ahead_hits=self.state.ahead_hits,
+            draft_ahead_misses=self.state.ahead_misses,
+        )

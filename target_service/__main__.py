@@ -1,0 +1,165 @@
+"""`python -m target_service` / `specsplit serve-target`: the target gRPC service."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+
+from common.distributed import Comm, comm_stats
+from common.grpc_util import (
+    add_health_and_reflection,
+    add_port,
+    channel_credentials,
+    make_server,
+    read_token,
+    set_health,
+)
+from common.lifecycle import install_drain_handler
+from common.logs import setup_logging
+from common.metrics import ServiceMetrics, start_metrics_server
+from common.settings import parse_config
+from common.tokenizer import load_tokenizer
+from common.tp_executor import TPExecutor, launch_tp
+from specsplit.v1 import target_pb2, target_pb2_grpc
+from target_service.config import TargetConfig
+from target_service.draft_link import DraftLink
+from target_service.runner import TargetRunner
+from target_service.scheduler import Scheduler
+from target_service.server import TargetServicer
+
+log = logging.getLogger("specsplit.target")
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+def _worker(comm: Comm, config: TargetConfig) -> TPExecutor:
+    return TargetRunner(comm, config).executor
+
+
+def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.add(tok_eos)
+    return frozenset(ids)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_config(TargetConfig, argv, "specsplit serve-target", "Target service for specsplit.")
+    setup_logging(config.log_format, config.log_level, "target")
+    log.info(
+        "loading target model %s (tp=%d, %s, %s)", config.model, config.tp_size, config.device, config.dtype
+    )
+    t0 = time.perf_counter()
+    try:
+        comm, workers = launch_tp(config.tp_size, config.device, _worker, config)
+        runner = TargetRunner(comm, config)
+        tokenizer = load_tokenizer(config.model)
+    except (ValueError, FileNotFoundError) as exc:
+        log.error("cannot load the target model: %s", exc)
+        return 2
+    mc = runner.model.config
+    log.info(
+        "target model loaded in %.1fs: %s, vocab %d, context %d",
+        time.perf_counter() - t0,
+        mc.name,
+        mc.vocab_size,
+        runner.max_context,
+    )
+
+    metrics = ServiceMetrics("target", mc.name, comm_stats=comm_stats)
+    metrics.kv_slots_total.set(config.max_batch_size)
+    metrics.draft_connected.set(0)
+    try:
+        link = None
+        if config.draft_address:
+            token = read_token(config.draft_auth_token_file) if config.draft_auth_token_file else None
+            creds = channel_credentials(
+                config.draft_tls_ca or None, config.draft_tls_cert or None, config.draft_tls_key or None
+            )
+            link = DraftLink(
+                config.draft_address,
+                metrics,
+                mc.vocab_size,
+                creds,
+                token,
+                config.draft_tls_server_name or None,
+                config.draft_backoff_max,
+            )
+        eos_ids = _eos_ids(mc.eos_token_id, tokenizer)
+        scheduler = Scheduler(runner, config, metrics, link, eos_ids)
+        model_info = target_pb2.GetModelInfoResponse(
+            target_model=mc.name,
+            vocab_size=mc.vocab_size,
+            target_tp_size=comm.world_size,
+            num_speculative_tokens=config.num_speculative_tokens if link else 0,
+            max_speculative_tokens=config.max_speculative_tokens,
+            draft_method="none",
+            max_context_length=runner.max_context,
+            max_batch_size=config.max_batch_size,
+            max_queued_requests=config.max_queued_requests,
+            max_top_k=mc.vocab_size,
+            eos_token_id=min(eos_ids) if eos_ids else 0,
+            dtype=config.dtype,
+        )
+        servicer = TargetServicer(config, scheduler, metrics, tokenizer, model_info)
+        server = make_server(config.grpc_workers, config.auth_token_file or None)
+        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
+        health = add_health_and_reflection(server, [SERVICE_NAME])
+        port = add_port(
+            server,
+            f"{config.host}:{config.port}",
+            config.tls_cert or None,
+            config.tls_key or None,
+            config.tls_client_ca or None,
+        )
+        metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+
+    scheduler.start()
+    if link is not None:
+        link.start()
+        if not link.wait_connected(timeout=5.0):
+            log.warning("draft %s not reachable yet: plain decoding until it is", config.draft_address)
+    server.start()
+    servicer.ready = True
+    set_health(health, [SERVICE_NAME], serving=True)
+    log.info(
+        "ready: grpc port %d, metrics port %d, verify backend %s",
+        port,
+        metrics_port,
+        scheduler.verify_backend,
+    )
+    print(f"SPECSPLIT_READY grpc={port} metrics={metrics_port}", flush=True)
+
+    stopped = threading.Event()
+
+    def drain() -> None:
+        scheduler.stop_accepting()
+        set_health(health, [SERVICE_NAME], serving=False)
+        deadline = time.monotonic() + config.drain_timeout
+        while scheduler.num_active() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = scheduler.num_active()
+        if left:
+            log.warning("drain timeout: aborting %d requests", left)
+        scheduler.stop()
+        server.stop(grace=2).wait()
+        stopped.set()
+
+    install_drain_handler(drain)
+    stopped.wait()
+    if link is not None:
+        link.close()
+    runner.executor.shutdown()
+    for w in workers:
+        w.join(timeout=10)
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""The target's side of the draft connection: one long-lived Speculate stream.
+
+A background thread keeps the stream up and reconnects with exponential backoff.
+Each new stream starts a new `epoch`: the draft lost all state, so the scheduler
+re-sends every running request. `exchange` sends one step's message and waits
+for the answer with the same step number; late answers to older steps are dropped,
+so a stale proposal is never applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from common.grpc_util import CHANNEL_OPTIONS
+from common.metrics import ServiceMetrics
+from specsplit.v1 import draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger("specsplit.target")
+
+_STREAM_END = object()
+
+
+class DraftLink:
+    def __init__(
+        self,
+        address: str,
+        metrics: ServiceMetrics,
+        target_vocab_size: int,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
+        backoff_max: float = 10.0,
+    ):
+        self.address = address
+        self.metrics = metrics
+        self.target_vocab_size = target_vocab_size
+        self.credentials = credentials
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.options = list(CHANNEL_OPTIONS)
+        if server_name:
+            self.options.append(("grpc.ssl_target_name_override", server_name))
+        self.backoff_max = backoff_max
+        self.epoch = 0
+        self._connected = threading.Event()
+        self._closed = threading.Event()
+        self._send_q: queue.Queue | None = None
+        self._recv_q: queue.Queue = queue.Queue()
+        self._first_message = True
+        self._call: grpc.Call | None = None
+        self._thread = threading.Thread(target=self._run, name="draft-link", daemon=True)
+        self.info: draft_pb2.GetDraftInfoResponse | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._send_q is not None:
+            self._send_q.put(None)
+        if self._call is not None:
+            self._call.cancel()
+
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected.wait(timeout)
+
+    def _channel(self) -> grpc.Channel:
+        if self.credentials is not None:
+            return grpc.secure_channel(self.address, self.credentials, options=self.options)
+        return grpc.insecure_channel(self.address, options=self.options)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        was_connected = False
+        while not self._closed.is_set():
+            channel = self._channel()
+            try:
+                grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
+                stub = draft_pb2_grpc.DraftServiceStub(channel)
+                self.info = stub.GetDraftInfo(
+                    draft_pb2.GetDraftInfoRequest(), metadata=self.metadata, timeout=10
+                )
+                send_q: queue.Queue = queue.Queue()
+                self._recv_q = queue.Queue()
+                call = stub.Speculate(iter(send_q.get, None), metadata=self.metadata)
+                self._call, self._send_q = call, send_q
+                self._first_message = True
+                self.epoch += 1
+                self._connected.set()
+                self.metrics.draft_connected.set(1)
+                if was_connected:
+                    self.metrics.draft_reconnects.inc()
+                was_connected = True
+                log.info(
+                    "draft connected: %s (%s, tp=%d, epoch %d)",
+                    self.address,
+                    self.info.method,
+                    self.info.tp_size,
+                    self.epoch,
+                )
+                backoff = 0.1
+                for response in call:
+                    self.metrics.grpc_bytes("received", "speculate_response").inc(response.ByteSize())
+                    self.metrics.grpc_messages("received", "speculate_response").inc()
+                    self._recv_q.put(response)
+                raise grpc.RpcError("stream ended")
+            except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
+                if self._connected.is_set():
+                    detail = exc.details() if isinstance(exc, grpc.Call) else str(exc) or type(exc).__name__
+                    log.warning("draft lost: %s (%s); plain decoding until it is back", self.address, detail)
+                self._connected.clear()
+                self.metrics.draft_connected.set(0)
+                self._recv_q.put(_STREAM_END)
+                if self._send_q is not None:
+                    self._send_q.put(None)
+                    self._send_q = None
+                channel.close()
+                if self._closed.wait(backoff):
+                    return
+                backoff = min(backoff * 2, self.backoff_max)
+
+    def exchange(
+        self, msg: draft_pb2.SpeculateRequest, epoch: int, timeout: float
+    ) -> draft_pb2.SpeculateResponse | None:
+        """Send one step; the matching answer, or None (not connected, epoch changed, timed out)."""
+        send_q, recv_q = self._send_q, self._recv_q
+        if not self.connected or send_q is None or epoch != self.epoch:
+            return None
+        if self._first_message:
+            msg.target_vocab_size = self.target_vocab_size
+            self._first_message = False
+        self.metrics.grpc_bytes("sent", "speculate_request").inc(msg.ByteSize())
+        self.metrics.grpc_messages("sent", "speculate_request").inc()
+        t0 = time.perf_counter()
+        send_q.put(msg)
+        deadline = t0 + timeout
+        while True:
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                return None
+            try:
+                response = recv_q.get(timeout=remaining)
+            except queue.Empty:
+                return None
+            if response is _STREAM_END:
+                return None
+            if response.step == msg.step:
+                self.metrics.round_trip.observe(time.perf_counter() - t0)
+                return response
+            # An older step's late answer: never applied.

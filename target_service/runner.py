@@ -1,0 +1,52 @@
+"""Target model execution on every TP rank: prefill and the (k+1)-position verify forward."""
+
+from __future__ import annotations
+
+import torch
+
+from common.batch import pack
+from common.distributed import Comm
+from common.kv_cache import KVCache
+from common.loader import load_model
+from common.tp_executor import TPExecutor, rank_device
+from target_service.config import TargetConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TargetRunner:
+    def __init__(self, comm: Comm, config: TargetConfig):
+        self.config = config
+        self.device = rank_device(config.device, comm.rank)
+        self.model = load_model(
+            config.model, comm, device=self.device, dtype=DTYPES[config.dtype], progress=comm.rank == 0
+        )
+        mc = self.model.config
+        self.max_context = min(config.max_context_length, mc.max_position_embeddings)
+        # Padding of a verify row may run k+1 positions past the longest allowed sequence.
+        self.max_len = self.max_context + config.max_speculative_tokens + 2
+        self.cache = KVCache(
+            num_layers=mc.num_hidden_layers,
+            num_slots=config.max_batch_size,
+            max_len=self.max_len,
+            num_kv_heads=mc.num_key_value_heads // comm.world_size,
+            head_dim=mc.head_dim,
+            dtype=DTYPES[config.dtype],
+            device=self.device,
+        )
+        self.executor = TPExecutor(comm, {"prefill": self.prefill, "verify_forward": self.verify_forward})
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[list[int]], slots: list[int]) -> None:
+        """Writes the KV of prompt tokens (all but the last, which the first verify step feeds)."""
+        batch = pack(rows, [0] * len(rows), slots, self.device, self.max_len)
+        self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
+
+    @torch.inference_mode()
+    def verify_forward(
+        self, rows: list[list[int]], starts: list[int], slots: list[int], width: int
+    ) -> torch.Tensor:
+        """rows[b] = [t_n, d_1..d_k] at positions starts[b]...; returns fp32 logits [B * width, V]."""
+        batch = pack(rows, starts, slots, self.device, self.max_len, width=width)
+        hidden = self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
+        return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))

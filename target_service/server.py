@@ -1,0 +1,183 @@
+"""The target service's client-facing gRPC API (TP rank 0)."""
+
+from __future__ import annotations
+
+import math
+import queue
+import secrets
+from collections.abc import Iterator
+
+import grpc
+
+from common.metrics import ServiceMetrics
+from specsplit.v1 import target_pb2, target_pb2_grpc
+from target_service.config import TargetConfig
+from target_service.detok import StreamDetokenizer
+from target_service.scheduler import NotAccepting, QueueFull, Request, Scheduler
+
+MAX_REQUEST_ID = 128
+
+
+class InvalidRequest(Exception):
+    """The message starts with the offending field's name."""
+
+
+class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+    def __init__(
+        self,
+        config: TargetConfig,
+        scheduler: Scheduler,
+        metrics: ServiceMetrics,
+        tokenizer,
+        model_info: target_pb2.GetModelInfoResponse,
+    ):
+        self.config = config
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.vocab_size = model_info.vocab_size
+        self.ready = False
+
+    # -- validation --------------------------------------------------------------
+    def _prompt(self, request: target_pb2.GenerateRequest) -> list[int]:
+        which = request.WhichOneof("prompt")
+        if which is None:
+            raise InvalidRequest("prompt: give text or token_ids")
+        if which == "text":
+            if not request.text:
+                raise InvalidRequest("text: empty prompt")
+            ids = list(self.tokenizer.encode(request.text))
+        else:
+            ids = list(request.token_ids.ids)
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"token_ids: id {bad[0]} is outside the vocabulary (size {self.vocab_size})"
+                )
+        if not ids:
+            raise InvalidRequest(f"{which}: empty prompt")
+        return ids
+
+    def build_request(self, request: target_pb2.GenerateRequest) -> Request:
+        cfg = self.config
+        if len(request.request_id) > MAX_REQUEST_ID:
+            raise InvalidRequest(f"request_id: longer than {MAX_REQUEST_ID} characters")
+        prompt = self._prompt(request)
+        s = request.sampling
+        if not math.isfinite(s.temperature) or s.temperature < 0:
+            raise InvalidRequest(f"sampling.temperature: must be a finite number >= 0, got {s.temperature}")
+        if s.top_k < 0 or s.top_k > self.vocab_size:
+            raise InvalidRequest(f"sampling.top_k: must be in [0, {self.vocab_size}], got {s.top_k}")
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        if not (0.0 < top_p <= 1.0):
+            raise InvalidRequest(f"sampling.top_p: must be in (0, 1], got {top_p}")
+        if request.max_new_tokens <= 0:
+            raise InvalidRequest(f"max_new_tokens: must be > 0, got {request.max_new_tokens}")
+        max_ctx = self.scheduler.runner.max_context
+        if len(prompt) + request.max_new_tokens > max_ctx:
+            raise InvalidRequest(
+                f"max_new_tokens: prompt ({len(prompt)} tokens) + max_new_tokens "
+                f"({request.max_new_tokens}) exceeds the context length {max_ctx}"
+            )
+        k = (
+            request.num_speculative_tokens
+            if request.HasField("num_speculative_tokens")
+            else cfg.num_speculative_tokens
+        )
+        if not 0 <= k <= cfg.max_speculative_tokens:
+            raise InvalidRequest(
+                f"num_speculative_tokens: must be in [0, {cfg.max_speculative_tokens}], got {k}"
+            )
+        bad_stop = [t for t in request.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise InvalidRequest(f"stop_token_ids: id {bad_stop[0]} is outside the vocabulary")
+        stops = list(request.stop_strings)
+        if len(stops) > cfg.max_stop_strings:
+            raise InvalidRequest(f"stop_strings: at most {cfg.max_stop_strings}, got {len(stops)}")
+        for stop in stops:
+            if not stop:
+                raise InvalidRequest("stop_strings: empty string")
+            if len(stop) > cfg.max_stop_string_length:
+                raise InvalidRequest(f"stop_strings: longer than {cfg.max_stop_string_length} characters")
+            if "\ufffd" in stop:
+                raise InvalidRequest("stop_strings: contains U+FFFD (not valid text)")
+        if stops and self.tokenizer is None:
+            raise InvalidRequest("stop_strings: the target has no tokenizer")
+        stop_ids = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= self.scheduler.eos_ids
+        return Request(
+            request_id=request.request_id or secrets.token_hex(8),
+            prompt=prompt,
+            max_new_tokens=request.max_new_tokens,
+            temperature=s.temperature,
+            top_k=s.top_k,
+            top_p=top_p,
+            seed=s.seed if s.HasField("seed") else secrets.randbits(63),
+            k=k if self.scheduler.link is not None else 0,
+            stop_ids=frozenset(stop_ids),
+            detok=StreamDetokenizer(self.tokenizer, stops),
+        )
+
+    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+        self.metrics.request_errors(code.name.lower()).inc()
+        context.abort(code, message)
+
+    # -- RPCs --------------------------------------------------------------------
+    def Generate(
+        self, request: target_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[target_pb2.GenerateResponse]:
+        self.metrics.grpc_bytes("received", "generate_request").inc(request.ByteSize())
+        self.metrics.grpc_messages("received", "generate_request").inc()
+        if not self.ready:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is not ready")
+        try:
+            req = self.build_request(request)
+            self.scheduler.submit(req)
+        except InvalidRequest as exc:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ValueError as exc:  # duplicate live request id
+            self._abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except QueueFull as exc:
+            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except NotAccepting as exc:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
+        self.metrics.prompt_tokens.inc(len(req.prompt))
+        # A client cancel or deadline takes the request out of the batch at the next step.
+        context.add_callback(lambda: self.scheduler.cancel(req.request_id, "client"))
+        while True:
+            try:
+                item = req.out.get(timeout=1.0)
+            except queue.Empty:
+                if not context.is_active():
+                    self.scheduler.cancel(req.request_id, "client")
+                    return
+                continue
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                self._abort(context, grpc.StatusCode.INTERNAL, str(item))
+            self.metrics.grpc_bytes("sent", "generate_response").inc(item.ByteSize())
+            self.metrics.grpc_messages("sent", "generate_response").inc()
+            yield item
+
+    def Abort(
+        self, request: target_pb2.AbortRequest, context: grpc.ServicerContext
+    ) -> target_pb2.AbortResponse:
+        if not request.request_id:
+            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+        return target_pb2.AbortResponse(found=self.scheduler.cancel(request.request_id, "abort"))
+
+    def GetModelInfo(
+        self, request: target_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    ) -> target_pb2.GetModelInfoResponse:
+        info = target_pb2.GetModelInfoResponse()
+        info.CopyFrom(self.model_info)
+        link = self.scheduler.link
+        info.draft_connected = bool(link and link.connected)
+        if link is not None and link.info is not None:
+            info.draft_model = link.info.model
+            info.draft_tp_size = link.info.tp_size
+            info.draft_method = link.info.method
+        return info
