@@ -166,7 +166,8 @@ def make_tiny_model(
     }
     if draft_vocab_size is not None:
         cfg["draft_vocab_size"] = draft_vocab_size
-    tensors = _random_tensors(cfg, seed)
+    # A draft's own layers must differ from its base's even when both use the default seed.
+    tensors = _random_tensors(cfg, seed if base is None else seed + 1_000_003)
     gen = torch.Generator().manual_seed(seed + 1)
     draft_ids = None
     if draft_vocab_size is not None:
