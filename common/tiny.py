@@ -118,6 +118,8 @@ def make_tiny_model(
     logit_scale: float = 1.0,
     eos_token_id: int | None = None,
     dtype: str = "float32",
+    late_layer_scale: float = 1.0,
+    late_layers_from: int = 0,
 ) -> Path:
     """Writes config.json + model.safetensors (or `num_shards` files and an index) and returns the dir.
 
@@ -168,6 +170,11 @@ def make_tiny_model(
         cfg["draft_vocab_size"] = draft_vocab_size
     # A draft's own layers must differ from its base's even when both use the default seed.
     tensors = _random_tensors(cfg, seed if base is None else seed + 1_000_003)
+    # Layers from `late_layers_from` on write `late_layer_scale` times smaller updates into the residual
+    # stream: a draft made of the first layers then agrees with the target often (demos, tests).
+    for i in range(late_layers_from, num_layers if late_layer_scale != 1.0 else 0):
+        for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            tensors[f"model.layers.{i}.{name}"] *= late_layer_scale
     gen = torch.Generator().manual_seed(seed + 1)
     draft_ids = None
     if draft_vocab_size is not None:
@@ -214,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--share-layers", type=int, default=0)
     ap.add_argument("--num-shards", type=int, default=1, help="safetensors files (>1 writes an index)")
     ap.add_argument("--dtype", default="float32", choices=list(_DTYPES))
+    ap.add_argument("--late-layer-scale", type=float, default=1.0, help="shrink the output projections of ...")
+    ap.add_argument("--late-layers-from", type=int, default=0, help="... the layers from this index on")
     a = ap.parse_args(argv)
     out = make_tiny_model(
         a.out,
@@ -232,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         share_layers=a.share_layers,
         num_shards=a.num_shards,
         dtype=a.dtype,
+        late_layer_scale=a.late_layer_scale,
+        late_layers_from=a.late_layers_from,
     )
     print(out)
     return 0
