@@ -25,6 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# torch >= 2.12 renamed all_gather_into_tensor; the GPU machines run 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # (op, site) -> [calls, bytes]; a plain dict of lists keeps each update to two integer adds.
 _STATS: dict[tuple[str, str], list[int]] = {}
 
@@ -76,7 +79,7 @@ class Comm:
         t = t.contiguous()
         out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
         _count("all_gather", site, _nbytes(out))
-        dist.all_gather_into_tensor(out, t, group=self.group)
+        _all_gather_single(out, t, group=self.group)
         return out
 
     def broadcast(self, t: Tensor, src: int, site: str) -> Tensor:

@@ -33,7 +33,7 @@ class KVCache:
     @classmethod
     def for_model(cls, model, num_slots: int, max_len: int) -> KVCache:
         cfg = model.config
-        p = next(model.parameters())
+        p = model.model.embed_tokens.weight
         local_kv_heads = cfg.num_key_value_heads // model.comm.world_size
         return cls(cfg.num_hidden_layers, num_slots, max_len, local_kv_heads, cfg.head_dim, p.dtype, p.device)
 
