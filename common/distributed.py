@@ -140,3 +140,30 @@ def init_tp(
             backend, init_method=init_method or "env://", world_size=world_size, rank=rank
         )
     return Comm(rank, world_size, dist.group.WORLD, device)
+
+
+def _local_world_entry(rank: int, world_size: int, init_method: str, out_dir: str, fn, args) -> None:
+    import os
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    comm = init_tp(world_size, rank, init_method=init_method)
+    try:
+        torch.save(fn(comm, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local_world(world_size: int, fn, *args) -> list:
+    """Runs fn(comm, *args) on `world_size` spawned CPU processes joined in a gloo TP group; returns each
+    rank's result (saved with torch.save). `fn` must be a module-level function: it is pickled by name.
+    For tests and benchmarks; services start their ranks themselves."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_method = f"file://{tmp}/rendezvous"
+        mp.spawn(
+            _local_world_entry, args=(world_size, init_method, tmp, fn, args), nprocs=world_size, join=True
+        )
+        return [torch.load(f"{tmp}/rank{r}.pt", weights_only=False) for r in range(world_size)]

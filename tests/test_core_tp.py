@@ -10,10 +10,9 @@ import pickle
 
 import pytest
 import torch
-from _tp_helpers import run_tp
 from safetensors.torch import load_file
 
-from common.distributed import Comm, comm_stats, reset_comm_stats
+from common.distributed import Comm, comm_stats, reset_comm_stats, run_local_world
 from common.kv_cache import KVCache
 from common.layers.logits import LogitsProcessor, top_tokens
 from common.layers.vocab import ParallelLMHead, pad_vocab_size
@@ -188,7 +187,7 @@ def assert_script_matches(tp_out: dict, ref: dict, script, tp: int, padded_vocab
 
 def test_tp2_forward_heads_markov_and_counters(paths):
     script = forward_script()
-    results = run_tp(2, world_two, paths, script)
+    results = run_local_world(2, world_two, paths, script)
     ref = run_script(Comm(), paths["target"], script)
     for rank_out in results:
         assert_script_matches(rank_out["script"], ref, script, 2, pad_vocab_size(500, 2))
@@ -249,7 +248,7 @@ def test_tp2_forward_heads_markov_and_counters(paths):
 
 def test_tp4_forward_and_ties(paths):
     script = forward_script(seed=1, vocab=1000)
-    results = run_tp(4, world_four, paths, script)
+    results = run_local_world(4, world_four, paths, script)
     ref = run_script(Comm(), paths["wide"], script)
     for rank, rank_out in enumerate(results):
         assert_script_matches(rank_out["script"], ref, script, 4, pad_vocab_size(1000, 4))
