@@ -1,0 +1,96 @@
+"""Real Prometheus on loopback for tests: start it on given scrape targets and rule files, query it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def start_prometheus(
+    targets: dict[str, list[str]], rule_files: list[Path] = (), interval: str = "1s"
+) -> Iterator[str]:
+    """Runs prometheus scraping {job: ["127.0.0.1:port", ...]} with rule_files loaded; yields its URL."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        raise FileNotFoundError("prometheus binary not found (scripts/ci_deps.sh installs it)")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="specsplit-prom-") as tmp:
+        config = {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "rule_files": [str(Path(p).resolve()) for p in rule_files],
+            "scrape_configs": [
+                {"job_name": job, "static_configs": [{"targets": addrs}]} for job, addrs in targets.items()
+            ],
+        }
+        config_path = Path(tmp) / "prometheus.yml"
+        config_path.write_text(yaml.safe_dump(config))
+        log = open(Path(tmp) / "prometheus.log", "w")
+        proc = subprocess.Popen(
+            [binary, f"--config.file={config_path}", f"--storage.tsdb.path={tmp}/data",
+             f"--web.listen-address=127.0.0.1:{port}"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        base_url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(base_url, proc, Path(tmp) / "prometheus.log")
+            yield base_url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def wait_ready(base_url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(base_url + "/-/ready", timeout=1) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.2)
+    raise TimeoutError(f"prometheus not ready after {timeout}s:\n{log_path.read_text()[-3000:]}")
+
+
+def query(base_url: str, expr: str) -> list[dict]:
+    """Instant query; returns the API's result vector ([{'metric': {...}, 'value': [ts, 'str']}, ...])."""
+    url = f"{base_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        body = json.load(r)
+    if body.get("status") != "success":
+        raise RuntimeError(f"query {expr!r} failed: {body}")
+    return body["data"]["result"]
+
+
+def wait_for_value(base_url: str, expr: str, timeout: float = 30.0) -> float:
+    """Polls until `expr` returns one finite sample; returns its value."""
+    deadline = time.monotonic() + timeout
+    last: list[dict] = []
+    while time.monotonic() < deadline:
+        last = query(base_url, expr)
+        if len(last) == 1 and last[0]["value"][1] not in ("NaN", "+Inf", "-Inf"):
+            return float(last[0]["value"][1])
+        time.sleep(0.5)
+    raise TimeoutError(f"{expr!r} gave no single finite value in {timeout}s; last result {last}")
