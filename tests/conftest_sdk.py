@@ -175,11 +175,14 @@ class Stack:
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def sdk_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Services shared by tests/test_sdk*.py and tests/test_cli*.py (multi-process)."""
     root = tmp_path_factory.mktemp("sdk-stack")
     model = root / "tiny"
-    subprocess.run([sys.executable, "-m", "common.tiny", str(model), "--seed", "0"], cwd=REPO, check=True)
+    # A draft of other weights than the target's, so that drafts really get rejected.
+    draft_model = root / "tiny-draft"
+    for path, seed in ((model, "0"), (draft_model, "1")):
+        subprocess.run([sys.executable, "-m", "common.tiny", str(path), "--seed", seed], cwd=REPO, check=True)
     certs = make_certificates(root)
     token_file = root / "token"
     token_file.write_text(AUTH_TOKEN + "\n")
@@ -286,7 +289,11 @@ class TCPProxy:
                     self.refused += 1
                     conn.close()
                     continue
-            upstream = socket.create_connection(self.upstream)
+            try:
+                upstream = socket.create_connection(self.upstream)
+            except OSError:
+                conn.close()
+                continue
             with self._lock:
                 self._sockets += [conn, upstream]
             threading.Thread(target=self._pump, args=(conn, upstream), daemon=True).start()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest_sdk import REPO, Stack, TCPProxy
+from conftest_sdk import REPO, Stack, free_port
 
 from specsplit import Client
 
@@ -36,13 +36,13 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
         assert needle in lines[0], lines[0]
 
 
-def test_generate_streams_ids_and_a_stats_line(stack: Stack) -> None:
-    with Client(stack.target.address) as c:
+def test_generate_streams_ids_and_a_stats_line(sdk_stack: Stack) -> None:
+    with Client(sdk_stack.target.address) as c:
         expected = c.generate([3, 14, 15, 92, 65], max_new_tokens=12, ignore_eos=True).token_ids
     result = specsplit(
         "generate",
         "--target",
-        stack.target.address,
+        sdk_stack.target.address,
         "--token-ids",
         PROMPT,
         "--max-new-tokens",
@@ -55,11 +55,11 @@ def test_generate_streams_ids_and_a_stats_line(stack: Stack) -> None:
     assert stats.startswith("[12 tokens, finish length, acceptance ") and "TPOT " in stats and " ms" in stats
 
 
-def test_generate_json(stack: Stack) -> None:
+def test_generate_json(sdk_stack: Stack) -> None:
     result = specsplit(
         "generate",
         "--target",
-        stack.target.address,
+        sdk_stack.target.address,
         "--token-ids",
         PROMPT,
         "--json",
@@ -85,17 +85,17 @@ def test_generate_json(stack: Stack) -> None:
     assert again["token_ids"] == payload["token_ids"]
 
 
-def test_info_and_health(stack: Stack) -> None:
-    info = specsplit("info", "--target", stack.target.address, "--json")
+def test_info_and_health(sdk_stack: Stack) -> None:
+    info = specsplit("info", "--target", sdk_stack.target.address, "--json")
     assert info.returncode == 0 and json.loads(info.stdout)["vocab_size"] == 512
-    table = specsplit("info", "--target", stack.target.address)
+    table = specsplit("info", "--target", sdk_stack.target.address)
     assert "vocab_size" in table.stdout and "512" in table.stdout
-    health = specsplit("health", "--target", stack.target.address)
+    health = specsplit("health", "--target", sdk_stack.target.address)
     assert (health.returncode, health.stdout.strip()) == (0, "SERVING")
 
 
-def test_errors_are_one_line_and_non_zero(stack: Stack) -> None:
-    target = stack.target.address
+def test_errors_are_one_line_and_non_zero(sdk_stack: Stack) -> None:
+    target = sdk_stack.target.address
     assert_one_line_error(
         specsplit("generate", "--target", target, "--token-ids", PROMPT, "--max-new-tokens", "0"),
         "invalid_argument",
@@ -137,16 +137,16 @@ def test_errors_are_one_line_and_non_zero(stack: Stack) -> None:
     # The secure target wants TLS with a client certificate and a token.
     secure = [
         "--target",
-        stack.secure_target.address,
+        sdk_stack.secure_target.address,
         "--ca-cert",
-        str(stack.certs.ca),
+        str(sdk_stack.certs.ca),
         "--client-cert",
-        str(stack.certs.client_cert),
+        str(sdk_stack.certs.client_cert),
         "--client-key",
-        str(stack.certs.client_key),
+        str(sdk_stack.certs.client_key),
     ]
     assert_one_line_error(specsplit("info", *secure), "unauthenticated")
-    ok = specsplit("info", *secure, "--auth-token-file", str(stack.auth_token_file), "--json")
+    ok = specsplit("info", *secure, "--auth-token-file", str(sdk_stack.auth_token_file), "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["vocab_size"] == 512, ok.stderr
     assert_one_line_error(
         specsplit("info", *secure, "--auth-token-file", "/nonexistent/token"), "/nonexistent"
@@ -154,9 +154,7 @@ def test_errors_are_one_line_and_non_zero(stack: Stack) -> None:
 
 
 def test_unreachable_server() -> None:
-    unused = TCPProxy(("127.0.0.1", 9))
-    address = unused.address
-    unused.close()
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
     for command in ("health", "info"):
         assert_one_line_error(specsplit(command, "--target", address), "unavailable", address)
     assert_one_line_error(specsplit("generate", "--target", address, "--prompt", "hi"), "unavailable")

@@ -9,7 +9,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import grpc
 import pytest
-from conftest_sdk import AUTH_TOKEN, Stack, TCPProxy, wait_until
+from conftest_sdk import AUTH_TOKEN, Stack, TCPProxy, free_port, wait_until
 
 import specsplit
 from specsplit import AsyncClient, Client, FinishReason, GenerateOptions, RetryPolicy
@@ -20,37 +20,38 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPT = [3, 14, 15, 92, 65]
 FINISHED = "specsplit_requests_finished_total"
 RUNNING = "specsplit_running_requests"
+WAITING = "specsplit_waiting_requests"
 
 
 @pytest.fixture
-def client(stack: Stack) -> Iterator[Client]:
-    with Client(stack.target.address) as c:
+def client(sdk_stack: Stack) -> Iterator[Client]:
+    with Client(sdk_stack.target.address) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
-def long_gen(stack: Stack) -> GenerateOptions:
+def long_gen(sdk_stack: Stack) -> GenerateOptions:
     """A generation as long as the context allows: still running when a test leaves it."""
-    with Client(stack.target.address) as c:
+    with Client(sdk_stack.target.address) as c:
         max_new_tokens = c.model_info().max_context_length - len(PROMPT)
     return {"max_new_tokens": max_new_tokens, "ignore_eos": True}
 
 
-def aborted(stack: Stack) -> float:
-    return stack.target.metric(FINISHED, reason="aborted")
+def aborted(sdk_stack: Stack) -> float:
+    return sdk_stack.target.metric(FINISHED, reason="aborted")
 
 
-def assert_server_freed(stack: Stack, request_id: str, aborted_before: float) -> None:
+def assert_server_freed(sdk_stack: Stack, request_id: str, aborted_before: float) -> None:
     """The target saw the cancellation: one more aborted request, nothing running, the id is gone."""
     wait_until(
-        lambda: aborted(stack) == aborted_before + 1, what="requests_finished_total{reason=aborted} + 1"
+        lambda: aborted(sdk_stack) == aborted_before + 1, what="requests_finished_total{reason=aborted} + 1"
     )
-    wait_until(lambda: stack.target.metric(RUNNING) == 0, what="running_requests == 0")
-    with Client(stack.target.address) as c:
+    wait_until(lambda: sdk_stack.target.metric(RUNNING) == 0, what="running_requests == 0")
+    with Client(sdk_stack.target.address) as c:
         assert c.abort(request_id) is False
 
 
-def test_generate_stream_and_async_agree_with_plain_decoding(stack: Stack, client: Client) -> None:
+def test_generate_stream_and_async_agree_with_plain_decoding(sdk_stack: Stack, client: Client) -> None:
     result = client.generate(PROMPT, max_new_tokens=24, ignore_eos=True, request_id="sdk-greedy")
     assert result.request_id == "sdk-greedy" and result.finish_reason == FinishReason.LENGTH
     assert len(result.token_ids) == 24 and result.usage.output_tokens == 24
@@ -70,13 +71,13 @@ def test_generate_stream_and_async_agree_with_plain_decoding(stack: Stack, clien
     assert deltas[-1].usage is not None and deltas[-1].usage.output_tokens == 24
 
     async def via_async() -> list[int]:
-        async with AsyncClient(stack.target.address) as aclient:
+        async with AsyncClient(sdk_stack.target.address) as aclient:
             return (await aclient.generate(PROMPT, max_new_tokens=24, ignore_eos=True)).token_ids
 
     assert asyncio.run(via_async()) == result.token_ids
 
 
-def test_model_info_and_health(stack: Stack, client: Client) -> None:
+def test_model_info_and_health(sdk_stack: Stack, client: Client) -> None:
     info = client.model_info()
     assert info.vocab_size == 512 and info.target_tp_size == 1 and info.max_context_length > 0
     assert client.health() == "SERVING" and client.health("") == "SERVING"
@@ -85,18 +86,18 @@ def test_model_info_and_health(stack: Stack, client: Client) -> None:
     assert error.value.code == grpc.StatusCode.NOT_FOUND
 
     async def via_async() -> tuple[specsplit.ModelInfo, str]:
-        async with AsyncClient(stack.target.address) as aclient:
+        async with AsyncClient(sdk_stack.target.address) as aclient:
             return await aclient.model_info(), await aclient.health()
 
     assert asyncio.run(via_async()) == (info, "SERVING")
 
 
-def test_dns_target_round_robin(stack: Stack) -> None:
-    with Client(f"dns:///localhost:{stack.target.port}") as c:
+def test_dns_target_round_robin(sdk_stack: Stack) -> None:
+    with Client(f"dns:///localhost:{sdk_stack.target.port}") as c:
         assert c.generate(PROMPT, max_new_tokens=4).usage.output_tokens >= 1
 
 
-def test_abort_a_running_request(stack: Stack, client: Client, long_gen: GenerateOptions) -> None:
+def test_abort_a_running_request(sdk_stack: Stack, client: Client, long_gen: GenerateOptions) -> None:
     with client.stream(PROMPT, **long_gen) as stream:
         deltas = iter(stream)
         first = next(deltas)
@@ -109,35 +110,37 @@ def test_abort_a_running_request(stack: Stack, client: Client, long_gen: Generat
 
 
 def test_leaving_a_stream_early_cancels_on_the_server(
-    stack: Stack, client: Client, long_gen: GenerateOptions
+    sdk_stack: Stack, client: Client, long_gen: GenerateOptions
 ) -> None:
-    before = aborted(stack)
+    before = aborted(sdk_stack)
     with client.stream(PROMPT, **long_gen) as stream:
         for delta in stream:
             assert delta.finish_reason is None
             break
-    assert_server_freed(stack, stream.request_id, before)
+    assert_server_freed(sdk_stack, stream.request_id, before)
 
     # A bare `break` out of the loop, without `with`, cancels as well.
-    before = aborted(stack)
+    before = aborted(sdk_stack)
     stream = client.stream(PROMPT, **long_gen)
     for _ in stream:
         break
-    assert_server_freed(stack, stream.request_id, before)
+    assert_server_freed(sdk_stack, stream.request_id, before)
 
 
 def test_exception_inside_a_stream_cancels_on_the_server(
-    stack: Stack, client: Client, long_gen: GenerateOptions
+    sdk_stack: Stack, client: Client, long_gen: GenerateOptions
 ) -> None:
-    before = aborted(stack)
+    before = aborted(sdk_stack)
     with pytest.raises(KeyError), client.stream(PROMPT, **long_gen) as stream:
         for _ in stream:
             raise KeyError("consumer failed")
-    assert_server_freed(stack, stream.request_id, before)
+    assert_server_freed(sdk_stack, stream.request_id, before)
 
 
-def test_cancelling_the_asyncio_task_cancels_on_the_server(stack: Stack, long_gen: GenerateOptions) -> None:
-    before = aborted(stack)
+def test_cancelling_the_asyncio_task_cancels_on_the_server(
+    sdk_stack: Stack, long_gen: GenerateOptions
+) -> None:
+    before = aborted(sdk_stack)
     started = asyncio.Event()
     request_ids: list[str] = []
 
@@ -148,7 +151,7 @@ def test_cancelling_the_asyncio_task_cancels_on_the_server(stack: Stack, long_ge
                 started.set()
 
     async def main() -> None:
-        async with AsyncClient(stack.target.address) as aclient:
+        async with AsyncClient(sdk_stack.target.address) as aclient:
             task = asyncio.create_task(consume(aclient))
             await asyncio.wait_for(started.wait(), 60)
             task.cancel()
@@ -156,7 +159,7 @@ def test_cancelling_the_asyncio_task_cancels_on_the_server(stack: Stack, long_ge
                 await task
 
     asyncio.run(main())
-    assert_server_freed(stack, request_ids[0], before)
+    assert_server_freed(sdk_stack, request_ids[0], before)
 
 
 def test_invalid_arguments_name_the_field(client: Client) -> None:
@@ -176,20 +179,18 @@ def test_invalid_arguments_name_the_field(client: Client) -> None:
     assert error.value.field == "token_ids"
 
 
-def test_deadline_exceeded(client: Client, stack: Stack, long_gen: GenerateOptions) -> None:
+def test_deadline_exceeded(client: Client, sdk_stack: Stack, long_gen: GenerateOptions) -> None:
     with pytest.raises(specsplit.DeadlineExceededError):
         client.generate(PROMPT, timeout=0.3, **long_gen)
-    with Client(stack.target.address, timeout=0.3) as short:  # the client default applies too
+    with Client(sdk_stack.target.address, timeout=0.3) as short:  # the client default applies too
         with pytest.raises(specsplit.DeadlineExceededError):
             short.generate(PROMPT, **long_gen)
         assert len(short.generate(PROMPT, timeout=60, max_new_tokens=2).token_ids) == 2
-    wait_until(lambda: stack.target.metric(RUNNING) == 0, what="running_requests == 0")
+    wait_until(lambda: sdk_stack.target.metric(RUNNING) == 0, what="running_requests == 0")
 
 
-def test_unreachable_server_is_unavailable(stack: Stack) -> None:
-    unused = TCPProxy(("127.0.0.1", 9))
-    address = unused.address
-    unused.close()
+def test_unreachable_server_is_unavailable(sdk_stack: Stack) -> None:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
     with Client(address, retry=None) as c, pytest.raises(specsplit.UnavailableError):
         c.model_info()
 
@@ -201,10 +202,10 @@ def test_unreachable_server_is_unavailable(stack: Stack) -> None:
         asyncio.run(via_async())
 
 
-def test_retry_before_the_first_token_when_the_server_comes_up_late(stack: Stack, client: Client) -> None:
+def test_retry_before_the_first_token_when_the_server_comes_up_late(sdk_stack: Stack, client: Client) -> None:
     reference = client.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
     # The proxy drops the first connection before any byte, as a server that is not up yet.
-    proxy = TCPProxy(("127.0.0.1", stack.target.port), refuse_first=1)
+    proxy = TCPProxy(("127.0.0.1", sdk_stack.target.port), refuse_first=1)
     try:
         with Client(proxy.address) as c:
             assert c.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == reference
@@ -212,7 +213,7 @@ def test_retry_before_the_first_token_when_the_server_comes_up_late(stack: Stack
     finally:
         proxy.close()
     # Control: without the retry policy the same situation is an error.
-    proxy = TCPProxy(("127.0.0.1", stack.target.port), refuse_first=1)
+    proxy = TCPProxy(("127.0.0.1", sdk_stack.target.port), refuse_first=1)
     try:
         with Client(proxy.address, retry=None) as c, pytest.raises(specsplit.UnavailableError):
             c.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
@@ -220,10 +221,10 @@ def test_retry_before_the_first_token_when_the_server_comes_up_late(stack: Stack
         proxy.close()
 
 
-def test_no_retry_after_the_first_token(stack: Stack, long_gen: GenerateOptions) -> None:
-    before = aborted(stack)
-    finished_before = stack.target.metric(FINISHED)
-    proxy = TCPProxy(("127.0.0.1", stack.target.port))
+def test_no_retry_after_the_first_token(sdk_stack: Stack, long_gen: GenerateOptions) -> None:
+    before = aborted(sdk_stack)
+    finished_before = sdk_stack.target.metric(FINISHED)
+    proxy = TCPProxy(("127.0.0.1", sdk_stack.target.port))
     received: list[int] = []
     # A generous policy, so that a replay would have every chance to happen.
     policy = RetryPolicy(max_attempts=5, initial_backoff_s=0.05, max_backoff_s=0.2)
@@ -237,16 +238,16 @@ def test_no_retry_after_the_first_token(stack: Stack, long_gen: GenerateOptions)
             assert 0 < len(received) < long_gen["max_new_tokens"]
             time.sleep(1.5)  # well past every backoff of the policy
         # The server saw exactly one request, cancelled: a replay would be running or finished too.
-        assert_server_freed(stack, stream.request_id, before)
-        assert stack.target.metric(FINISHED) == finished_before + 1
+        assert_server_freed(sdk_stack, stream.request_id, before)
+        assert sdk_stack.target.metric(FINISHED) == finished_before + 1
     finally:
         proxy.close()
 
 
-def test_overloaded_when_the_queue_is_full(stack: Stack, long_gen: GenerateOptions) -> None:
+def test_overloaded_when_the_queue_is_full(sdk_stack: Stack, long_gen: GenerateOptions) -> None:
     # The secure target admits max_batch_size running requests plus one queued; the rest are refused.
-    tls = stack.certs.client_tls()
-    with Client(stack.secure_target.address, tls=tls, auth_token=AUTH_TOKEN) as c:
+    tls = sdk_stack.certs.client_tls()
+    with Client(sdk_stack.secure_target.address, tls=tls, auth_token=AUTH_TOKEN) as c:
         batch = c.model_info().max_batch_size
         streams = [c.stream(PROMPT, **long_gen) for _ in range(batch + 3)]
 
@@ -266,27 +267,31 @@ def test_overloaded_when_the_queue_is_full(stack: Stack, long_gen: GenerateOptio
             for s in streams:
                 s.cancel()
             outcomes = [f.result() for f in futures]
+        wait_until(
+            lambda: sdk_stack.secure_target.metric(RUNNING) + sdk_stack.secure_target.metric(WAITING) == 0,
+            what="the secure target's batch and queue empty",
+        )
     assert outcomes.count("overloaded") >= 1, outcomes
 
 
-def test_mtls_and_bearer_token(stack: Stack) -> None:
-    target = stack.secure_target.address
-    with Client(target, tls=stack.certs.client_tls(), auth_token=AUTH_TOKEN) as c:
+def test_mtls_and_bearer_token(sdk_stack: Stack) -> None:
+    target = sdk_stack.secure_target.address
+    with Client(target, tls=sdk_stack.certs.client_tls(), auth_token=AUTH_TOKEN) as c:
         assert c.generate(PROMPT, max_new_tokens=3).usage.output_tokens >= 1
-    with Client(target, tls=stack.certs.client_tls(), auth_token="wrong") as c:
+    with Client(target, tls=sdk_stack.certs.client_tls(), auth_token="wrong") as c:
         with pytest.raises(specsplit.AuthenticationError):
             c.generate(PROMPT, max_new_tokens=3)
         assert c.health() == "SERVING"  # health stays open for probes
-    with Client(target, tls=stack.certs.client_tls()) as c, pytest.raises(specsplit.AuthenticationError):
+    with Client(target, tls=sdk_stack.certs.client_tls()) as c, pytest.raises(specsplit.AuthenticationError):
         c.model_info()
     # No client certificate, or no TLS at all: the handshake fails.
-    for tls in (stack.certs.client_tls(with_client_cert=False), None):
+    for tls in (sdk_stack.certs.client_tls(with_client_cert=False), None):
         with Client(target, tls=tls, auth_token=AUTH_TOKEN, retry=None) as c:
             with pytest.raises(specsplit.UnavailableError):
                 c.model_info(timeout=5)
 
     async def via_async() -> int:
-        async with AsyncClient(target, tls=stack.certs.client_tls(), auth_token=AUTH_TOKEN) as aclient:
+        async with AsyncClient(target, tls=sdk_stack.certs.client_tls(), auth_token=AUTH_TOKEN) as aclient:
             return len((await aclient.generate(PROMPT, max_new_tokens=3)).token_ids)
 
     assert asyncio.run(via_async()) >= 1
