@@ -21,7 +21,6 @@ from common.models.generate import forward_rows, greedy_generate
 from common.tiny import main as tiny_main
 from common.tiny import make_tiny_model
 
-torch.set_grad_enabled(False)
 ATOL = 1e-5
 
 

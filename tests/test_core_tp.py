@@ -21,7 +21,6 @@ from common.models.generate import forward_rows
 from common.tiny import make_tiny_model
 
 pytestmark = pytest.mark.slow  # multi-process
-torch.set_grad_enabled(False)
 
 HIDDEN, MARKOV_RANK, DRAFT_VOCAB, N_ROWS, DRAFT_STEPS = 64, 8, 300, 5, 3
 
