@@ -177,12 +177,14 @@ def test_every_dashboard_query_names_exported_metrics():
 def test_recording_rules_on_real_prometheus(tmp_path):
     """Real Prometheus scrapes a draft and a target registry; rules give the counters' exact ratios."""
     need("prometheus")
-    from tests.prom_util import query, start_prometheus, wait_for_value
+    from tests.prom_util import start_prometheus, wait_for_value
 
     stats = {("all_gather", "local_argmax"): (0, 0)}
     target_reg, draft_reg = CollectorRegistry(), CollectorRegistry()
     target = ServiceMetrics("target", "tiny", target_reg)
     ServiceMetrics("draft", "tiny", draft_reg, comm_stats=lambda: dict(stats))
+    for position in range(4):  # children exist from the start, so rate() sees their first increase
+        target.accepted_at_position(position)
     ports = [start_metrics_server(0, "127.0.0.1", r) for r in (target_reg, draft_reg)]
     # The committed rules evaluate every 30s; a copy without the group interval follows the test's 1s.
     groups = yaml.safe_load((ROOT / "deploy/prometheus/recording.rules.yaml").read_text())
@@ -203,6 +205,6 @@ def test_recording_rules_on_real_prometheus(tmp_path):
         acceptance = wait_for_value(url, "model:specsplit_spec_acceptance:ratio_rate5m", timeout=60)
         assert acceptance == pytest.approx(0.75, rel=1e-9)
         assert wait_for_value(url, "model:specsplit_spec_accepted_length:mean_rate5m") == pytest.approx(3.0)
-        by_pos = {r["metric"]["position"]: float(r["value"][1])
-                  for r in query(url, "model_position:specsplit_spec_acceptance:ratio_rate5m")}  # fmt: skip
-        assert by_pos == pytest.approx({"0": 1.0, "3": 0.5})
+        by_position = "model_position:specsplit_spec_acceptance:ratio_rate5m"
+        by_pos = {p: wait_for_value(url, f'{by_position}{{position="{p}"}}') for p in "0123"}
+        assert by_pos == pytest.approx({"0": 1.0, "1": 0.0, "2": 0.0, "3": 0.5})
