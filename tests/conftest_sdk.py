@@ -194,7 +194,7 @@ def sdk_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "-m",
             "draft_service",
             "--model",
-            str(model),
+            str(draft_model),
             "--port",
             str(draft_port),
             "--metrics-port",
