@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--share-layers", type=int, default=0)
     ap.add_argument("--num-shards", type=int, default=1, help="safetensors files (>1 writes an index)")
     ap.add_argument("--dtype", default="float32", choices=list(_DTYPES))
-    ap.add_argument("--late-layer-scale", type=float, default=1.0, help="shrink the output projections of ...")
+    ap.add_argument("--late-layer-scale", type=float, default=1.0, help="scale o_proj / down_proj of ...")
     ap.add_argument("--late-layers-from", type=int, default=0, help="... the layers from this index on")
     a = ap.parse_args(argv)
     out = make_tiny_model(
