@@ -75,18 +75,21 @@ def load_param(files: CheckpointFiles, name: str, param: nn.Parameter) -> None:
         param.data.narrow(spec.dim, 0, rows).copy_(sl[tuple(index)])
 
 
-def check_local_argmax(model: nn.Module, use_local_argmax_reduction: bool, draft_sampling: str) -> None:
-    """The local-argmax switch only makes sense for greedy drafting on a model that can reduce locally."""
+def check_draft_sampling(use_local_argmax_reduction: bool, draft_sampling: str) -> None:
+    """Local argmax yields only the top id: it cannot serve probabilistic drafting."""
     if draft_sampling not in DRAFT_SAMPLING_MODES:
         raise ValueError(f"draft_sampling={draft_sampling!r}: expected one of {DRAFT_SAMPLING_MODES}")
-    if not use_local_argmax_reduction:
-        return
-    if draft_sampling != "greedy":
+    if use_local_argmax_reduction and draft_sampling != "greedy":
         raise ValueError(
             "use_local_argmax_reduction=True is incompatible with draft_sampling='sampled': "
             "probabilistic drafting needs the full vocab distribution, local argmax only yields the top id"
         )
-    if not callable(getattr(model, "get_top_tokens", None)):
+
+
+def check_local_argmax(model: nn.Module, use_local_argmax_reduction: bool, draft_sampling: str) -> None:
+    """The local-argmax switch needs greedy drafting and a model that can reduce locally."""
+    check_draft_sampling(use_local_argmax_reduction, draft_sampling)
+    if use_local_argmax_reduction and not callable(getattr(model, "get_top_tokens", None)):
         raise ValueError(
             f"use_local_argmax_reduction=True: draft model {type(model).__name__} has no get_top_tokens()"
         )
