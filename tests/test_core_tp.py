@@ -129,6 +129,10 @@ def world_four(comm: Comm, paths: dict, script) -> dict:
     return {"script": run_script(comm, paths["wide"], script), "ties": tie_scenario(comm, 150)}
 
 
+def world_three(comm: Comm, paths: dict, script) -> dict:
+    return {"script": run_script(comm, paths["odd"], script), "ties": tie_scenario(comm, 150)}
+
+
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
@@ -153,6 +157,16 @@ def paths(tmp_path_factory):
             tie_word_embeddings=False,
             final_logit_softcapping=5.0,
             logit_scale=0.7,
+        ),
+        "odd": make_tiny_model(
+            root / "odd",
+            seed=5,
+            vocab_size=500,
+            num_heads=6,
+            num_kv_heads=3,
+            head_dim=16,
+            intermediate_size=96,
+            architecture="Qwen2ForCausalLM",
         ),
     }
 
@@ -255,3 +269,15 @@ def test_tp4_forward_and_ties(paths):
         assert torch.equal(ties["got"], ties["ref"]) and (ties["got"] < 150).all()
         assert ties["shard_valid"] == [64, 64, 22, 0][rank]  # 150 over 4 x 64: the last shard is all padding
         assert ties["stats"] == {("all_gather", "lm_head_argmax"): (1, 64 * 2 * 4 * 4)}
+
+
+def test_tp3_forward_and_ties(paths):
+    """A split that is not a power of two: 6 heads / 3 KV heads, vocab padded to 3 x 192."""
+    script = forward_script(seed=2)
+    results = run_local_world(3, world_three, paths, script)
+    ref = run_script(Comm(), paths["odd"], script)
+    for rank, rank_out in enumerate(results):
+        assert_script_matches(rank_out["script"], ref, script, 3, pad_vocab_size(500, 3))
+        ties = rank_out["ties"]
+        assert torch.equal(ties["got"], ties["ref"]) and (ties["got"] < 150).all()
+        assert ties["shard_valid"] == [64, 64, 22][rank]
