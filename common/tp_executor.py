@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -92,6 +93,16 @@ def _worker_main(
     executor.serve_forever()
 
 
+def _exit_if_a_worker_dies(procs: list[mp.Process]) -> None:
+    """A dead rank would leave rank 0 blocked in a collective forever: fail fast and loud instead."""
+    while True:
+        for p in procs:
+            p.join(timeout=0.5)
+            if p.exitcode is not None:
+                log.error("TP worker %s exited with code %s; stopping", p.name, p.exitcode)
+                os._exit(3)
+
+
 def launch_tp(
     world_size: int, device: str, entry: WorkerEntry, entry_arg: Any, backend: str | None = None
 ) -> tuple[Comm, list[mp.Process]]:
@@ -123,6 +134,8 @@ def launch_tp(
         )
         p.start()
         procs.append(p)
+    watchdog = threading.Thread(target=_exit_if_a_worker_dies, args=(procs,), name="tp-watchdog", daemon=True)
+    watchdog.start()
     comm = init_tp(world_size, 0, backend=backend, init_method=init_method, device=rank_device(device, 0))
     log.info("tp group ready: %d ranks (%s)", world_size, init_method)
     return comm, procs

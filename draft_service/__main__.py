@@ -7,25 +7,21 @@ import sys
 import threading
 import time
 
-from common.distributed import Comm, comm_stats
+from common.distributed import comm_stats
 from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
 from common.kv_cache import SlotTable
 from common.lifecycle import install_drain_handler
 from common.logs import setup_logging
 from common.metrics import ServiceMetrics, start_metrics_server
 from common.settings import parse_config
-from common.tp_executor import TPExecutor, launch_tp
+from common.tp_executor import launch_tp
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftRunner, DraftState
+from draft_service.engine import DraftRunner, DraftState, tp_worker
 from draft_service.server import DraftServicer
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specsplit.draft")
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
-
-
-def _worker(comm: Comm, config: DraftConfig) -> TPExecutor:
-    return DraftRunner(comm, config).executor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.perf_counter()
     try:
-        comm, workers = launch_tp(config.tp_size, config.device, _worker, config)
+        comm, workers = launch_tp(config.tp_size, config.device, tp_worker, config)
         runner = DraftRunner(comm, config)
     except (ValueError, FileNotFoundError) as exc:
         log.error("cannot load the draft model: %s", exc)

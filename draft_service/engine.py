@@ -147,6 +147,11 @@ class DraftRunner:
         )
 
 
+def tp_worker(comm: Comm, config: DraftConfig) -> TPExecutor:
+    """Entry of TP ranks > 0 (a module-level function so that spawn can pickle it)."""
+    return DraftRunner(comm, config).executor
+
+
 @dataclass
 class Proposal:
     tokens: list[int]

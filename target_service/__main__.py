@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from common.distributed import Comm, comm_stats
+from common.distributed import comm_stats
 from common.grpc_util import (
     add_health_and_reflection,
     add_port,
@@ -21,20 +21,16 @@ from common.logs import setup_logging
 from common.metrics import ServiceMetrics, start_metrics_server
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
-from common.tp_executor import TPExecutor, launch_tp
+from common.tp_executor import launch_tp
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
-from target_service.runner import TargetRunner
+from target_service.runner import TargetRunner, tp_worker
 from target_service.scheduler import Scheduler
 from target_service.server import TargetServicer
 
 log = logging.getLogger("specsplit.target")
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
-
-
-def _worker(comm: Comm, config: TargetConfig) -> TPExecutor:
-    return TargetRunner(comm, config).executor
 
 
 def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
@@ -53,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.perf_counter()
     try:
-        comm, workers = launch_tp(config.tp_size, config.device, _worker, config)
+        comm, workers = launch_tp(config.tp_size, config.device, tp_worker, config)
         runner = TargetRunner(comm, config)
         tokenizer = load_tokenizer(config.model)
     except (ValueError, FileNotFoundError) as exc:

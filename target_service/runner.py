@@ -50,3 +50,8 @@ class TargetRunner:
         batch = pack(rows, starts, slots, self.device, self.max_len, width=width)
         hidden = self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
         return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+
+
+def tp_worker(comm: Comm, config: TargetConfig) -> TPExecutor:
+    """Entry of TP ranks > 0 (a module-level function so that spawn can pickle it)."""
+    return TargetRunner(comm, config).executor

@@ -121,7 +121,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         )
 
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
-        self.metrics.request_errors(code.name.lower()).inc()
+        self.metrics.request_error(code.name.lower()).inc()
         context.abort(code, message)
 
     # -- RPCs --------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""Helpers for tests that run the real services as subprocesses over loopback gRPC."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from specsplit.launch import ServiceProcess, start_service
+from specsplit.v1 import sampling_pb2, target_pb2, target_pb2_grpc
+
+
+@dataclass
+class Result:
+    ids: list[int]
+    text: str
+    finish_reason: int
+    usage: target_pb2.Usage
+
+
+def prompts(n: int, vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    """n prompts of varied length (1 to 40 tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.choice([1, 2, 3, 5, 8, 13, 21, 40]))] for _ in range(n)]
+
+
+def request(
+    ids: list[int],
+    max_new_tokens: int = 24,
+    k: int | None = None,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    **kw,
+) -> target_pb2.GenerateRequest:
+    req = target_pb2.GenerateRequest(
+        token_ids=target_pb2.TokenIds(ids=ids),
+        max_new_tokens=max_new_tokens,
+        ignore_eos=True,
+        sampling=sampling_pb2.SamplingParams(temperature=temperature),
+        **kw,
+    )
+    if seed is not None:
+        req.sampling.seed = seed
+    if k is not None:
+        req.num_speculative_tokens = k
+    return req
+
+
+def generate(
+    stub: target_pb2_grpc.TargetServiceStub, req: target_pb2.GenerateRequest, timeout: float = 300
+) -> Result:
+    ids: list[int] = []
+    text = []
+    last = None
+    for msg in stub.Generate(req, timeout=timeout):
+        ids += msg.token_ids
+        text.append(msg.text)
+        last = msg
+    assert last is not None and last.finish_reason != 0, "stream ended without a final message"
+    return Result(ids, "".join(text), last.finish_reason, last.usage)
+
+
+def generate_many(address: str, reqs: list[target_pb2.GenerateRequest], concurrency: int) -> list[Result]:
+    with grpc.insecure_channel(address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        with ThreadPoolExecutor(concurrency) as pool:
+            return list(pool.map(lambda r: generate(stub, r), reqs))
+
+
+def stub_for(service: ServiceProcess) -> tuple[grpc.Channel, target_pb2_grpc.TargetServiceStub]:
+    channel = grpc.insecure_channel(service.address)
+    return channel, target_pb2_grpc.TargetServiceStub(channel)
+
+
+def start_draft(model: Path, log_dir: Path, *extra: str, port: int | None = None) -> ServiceProcess:
+    return start_service("draft_service", ["--model", str(model), *extra], log_dir / "draft.log", port=port)
+
+
+def start_target(
+    model: Path, log_dir: Path, draft: ServiceProcess | str | None, *extra: str, name: str = "target"
+) -> ServiceProcess:
+    args = ["--model", str(model), *extra]
+    if draft is not None:
+        args += ["--draft-address", draft if isinstance(draft, str) else draft.address]
+    return start_service("target_service", args, log_dir / f"{name}.log")
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)

@@ -1,0 +1,118 @@
+"""End to end over loopback gRPC: speculative output equals plain decoding, token for token.
+
+Plain decoding is the same target with num_speculative_tokens = 0 (every token comes
+from a one-position verify, i.e. the target alone). Greedy comparisons are exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+from service_util import generate_many, prompts, request, start_draft, start_target
+
+pytestmark = pytest.mark.slow
+
+N_PROMPTS = 24
+CONCURRENCY = 16
+
+
+@pytest.fixture(scope="module")
+def stack(demo_models, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("lossless")
+    draft = start_draft(demo_models.draft, logs).wait_ready()
+    target = start_target(demo_models.target, logs, draft).wait_ready()
+    yield draft, target
+    target.stop()
+    draft.stop()
+
+
+def assert_same(spec, plain):
+    for i, (a, b) in enumerate(zip(spec, plain)):
+        assert a.ids == b.ids, f"prompt {i}: speculative {a.ids} != plain {b.ids}"
+
+
+def test_greedy_lossless_concurrent(stack):
+    draft, target = stack
+    ps = prompts(N_PROMPTS)
+    plain = generate_many(target.address, [request(p, k=0) for p in ps], CONCURRENCY)
+    spec = generate_many(target.address, [request(p) for p in ps], CONCURRENCY)
+    assert_same(spec, plain)
+    drafted = sum(r.usage.drafted_tokens for r in spec)
+    accepted = sum(r.usage.accepted_tokens for r in spec)
+    assert all(r.usage.drafted_tokens > 0 for r in spec), "every request should have been speculated"
+    assert all(r.usage.drafted_tokens == 0 for r in plain)
+    # The demo draft shares the target's first layer: acceptance must be well above chance.
+    assert accepted / drafted > 0.3, f"acceptance {accepted}/{drafted}"
+    # Draft-ahead is on by default: it must have been tried, and misses never change the output.
+    hits = draft.metric("specsplit_draft_ahead_hits_total")
+    misses = draft.metric("specsplit_draft_ahead_misses_total")
+    assert hits > 0 and misses > 0, (hits, misses)
+
+
+def test_greedy_lossless_mixed_k(stack):
+    _, target = stack
+    ps = prompts(12, seed=1)
+    plain = generate_many(target.address, [request(p, k=0, max_new_tokens=16) for p in ps], 12)
+    spec = generate_many(
+        target.address, [request(p, k=1 + i % 6, max_new_tokens=16) for i, p in enumerate(ps)], 12
+    )
+    assert_same(spec, plain)
+
+
+def test_sampled_same_seed_same_output_whatever_concurrency(stack):
+    _, target = stack
+    ps = prompts(8, seed=2)
+    reqs = [request(p, temperature=0.8, seed=100 + i, max_new_tokens=16) for i, p in enumerate(ps)]
+    alone = generate_many(target.address, reqs, 1)
+    together = generate_many(target.address, reqs, 8)
+    assert [r.ids for r in alone] == [r.ids for r in together]
+    others = generate_many(
+        target.address, [request(p, temperature=0.8, seed=999, max_new_tokens=16) for p in ps], 8
+    )
+    assert [r.ids for r in others] != [r.ids for r in alone], "the seed must matter"
+
+
+def test_draft_tp2_markov_head_lossless(demo_models, tmp_path):
+    draft = start_draft(demo_models.markov_draft, tmp_path, "--tp-size", "2").wait_ready()
+    target = start_target(demo_models.target, tmp_path, draft).wait_ready()
+    try:
+        ps = prompts(10, seed=3)
+        plain = generate_many(target.address, [request(p, k=0) for p in ps], 10)
+        spec = generate_many(target.address, [request(p) for p in ps], 10)
+        assert_same(spec, plain)
+        assert sum(r.usage.drafted_tokens for r in spec) > 0
+        # Local argmax with a replicated Markov head: the head adds no collective at all.
+        assert draft.metric("specsplit_tp_comm_calls_total", site="lm_head_argmax") > 0
+        assert draft.metric("specsplit_tp_comm_calls_total", site="markov_head") == 0
+        assert draft.metric("specsplit_tp_comm_calls_total", site="logits_gather") == 0
+    finally:
+        target.stop()
+        draft.stop()
+
+
+def test_sampled_drafting_and_no_draft_ahead(demo_models, tmp_path):
+    """Sampled top-K drafting (sparse q over the wire) and draft-ahead off: still lossless at T=0,
+    seeded sampling reproducible."""
+    draft = start_draft(
+        demo_models.draft,
+        tmp_path,
+        "--draft-sampling",
+        "sampled",
+        "--no-use-local-argmax-reduction",
+        "--no-draft-ahead",
+    ).wait_ready()
+    target = start_target(demo_models.target, tmp_path, draft).wait_ready()
+    try:
+        ps = prompts(8, seed=4)
+        plain = generate_many(target.address, [request(p, k=0) for p in ps], 8)
+        spec = generate_many(target.address, [request(p) for p in ps], 8)
+        assert_same(spec, plain)
+        sampled = [request(p, temperature=1.0, seed=7 + i) for i, p in enumerate(ps)]
+        a = generate_many(target.address, sampled, 1)
+        b = generate_many(target.address, sampled, 8)
+        assert [r.ids for r in a] == [r.ids for r in b]
+        assert sum(r.usage.accepted_tokens for r in a) > 0
+        assert draft.metric("specsplit_draft_ahead_hits_total") == 0
+        assert draft.metric("specsplit_draft_ahead_misses_total") == 0
+    finally:
+        target.stop()
+        draft.stop()
