@@ -62,14 +62,18 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor, stream: int | torch.Ten
     """Two uint32 lanes (as int64 tensors) keyed on (seed, position, stream); broadcasts."""
     seed = seed.to(torch.int64)
     position = position.to(torch.int64)
-    stream = torch.as_tensor(stream, dtype=torch.int64, device=seed.device)
     s_lo, s_hi = seed & _M32, (seed >> 32) & _M32
     p_lo, p_hi = position & _M32, (position >> 32) & _M32
     h = _fmix32(s_lo ^ _GOLDEN)
     h = _fmix32(h ^ s_hi)
     h = _fmix32(h ^ p_lo)
     h = _fmix32(h ^ p_hi)
-    k1 = _fmix32(h ^ _mul32(stream + 1, _STREAM_MUL))
+    # A Python int stream stays on the host: no host-to-device copy inside a CUDA graph.
+    if isinstance(stream, int):
+        stream_word = ((stream + 1) * _STREAM_MUL) & _M32
+    else:
+        stream_word = _mul32(stream.to(torch.int64) + 1, _STREAM_MUL)
+    k1 = _fmix32(h ^ stream_word)
     k2 = _fmix32(k1 ^ _LANE2)
     return k1, k2
 
