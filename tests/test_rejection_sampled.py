@@ -164,13 +164,9 @@ def test_seed_reproduces_regardless_of_batch_composition():
     pick = torch.tensor([31, 2, 17, 5, 39, 0, 22, 11])
     other_args, other_kw = random_mixed_batch(8, 150, "sparse", torch.float32, seed=10)
 
-    def rows_of(t, idx):
-        return (
-            t.view(40, -1, t.shape[-1])[idx].flatten(0, 1) if t.dim() == 2 and t.shape[0] == 160 else t[idx]
-        )
-
-    mixed = [torch.cat([rows_of(a, pick), o]) for a, o in zip(args, other_args)]
-    mixed[0] = torch.cat([args[0].view(40, 4, -1)[pick].flatten(0, 1), other_args[0]])
+    picked_logits = args[0].view(40, 4, -1)[pick].flatten(0, 1)
+    mixed = [torch.cat([picked_logits, other_args[0]])]
+    mixed += [torch.cat([a[pick], o]) for a, o in zip(args[1:], other_args[1:])]
     mixed_kw = {n: torch.cat([t[pick], other_kw[n]]) for n, t in kw.items()}
     out2, accepted2 = run(verify, mixed, mixed_kw)
     assert torch.equal(out2[:8], out[pick]) and torch.equal(accepted2[:8], accepted[pick])
