@@ -120,6 +120,7 @@ def make_tiny_model(
     dtype: str = "float32",
     late_layer_scale: float = 1.0,
     late_layers_from: int = 0,
+    tokenizer: bool = True,
 ) -> Path:
     """Writes config.json + model.safetensors (or `num_shards` files and an index) and returns the dir.
 
@@ -187,7 +188,38 @@ def make_tiny_model(
     }
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     _write_checkpoint(path, tensors, num_shards)
+    if tokenizer:
+        write_tokenizer(path, vocab_size)
     return path
+
+
+_CORPUS = """\
+Speculative decoding lets a small draft model propose several tokens that a large target model
+then checks in a single forward pass. When the draft guesses well, the target emits many tokens per
+step; when it guesses badly, the target still emits one token, exactly the one it would have chosen
+alone. The output distribution never changes: greedy decoding gives the same tokens, and sampling
+keeps the same distribution, because every draft token is accepted with probability min(1, p / q)
+and a rejected position is resampled from the residual max(p - q, 0). Tensor parallel groups split
+each weight matrix across GPUs; the draft service and the target service each own a group and talk
+over gRPC streams. Metrics such as time per output token, acceptance rate and bytes moved per draft
+token show whether the system is healthy. A quick brown fox jumps over the lazy dog, and the dog
+sleeps in the warm afternoon sun while the engineers watch their dashboards and drink coffee.
+"""
+
+
+def write_tokenizer(path: Path, vocab_size: int) -> None:
+    """A byte-level BPE `tokenizer.json` trained on a fixed English paragraph (deterministic), so tiny
+    models produce readable subword text. Without it, the loader falls back to raw bytes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer)
+    tok.save(str(path / "tokenizer.json"))
 
 
 def _copy_from_base(tensors, base_tensors, base_cfg, share_layers: int, draft_ids) -> None:
@@ -222,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-shards", type=int, default=1, help="safetensors files (>1 writes an index)")
     ap.add_argument("--dtype", default="float32", choices=list(_DTYPES))
     ap.add_argument("--late-layer-scale", type=float, default=1.0, help="scale o_proj / down_proj of ...")
+    ap.add_argument("--no-tokenizer", action="store_true", help="no tokenizer.json (byte-level fallback)")
     ap.add_argument("--late-layers-from", type=int, default=0, help="... the layers from this index on")
     a = ap.parse_args(argv)
     out = make_tiny_model(
@@ -243,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=a.dtype,
         late_layer_scale=a.late_layer_scale,
         late_layers_from=a.late_layers_from,
+        tokenizer=not a.no_tokenizer,
     )
     print(out)
     return 0

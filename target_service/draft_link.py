@@ -80,6 +80,7 @@ class DraftLink:
     def _run(self) -> None:
         backoff = 0.1
         was_connected = False
+        last_error = ""
         while not self._closed.is_set():
             channel = self._channel()
             try:
@@ -113,9 +114,15 @@ class DraftLink:
                     self._recv_q.put(response)
                 raise grpc.RpcError("stream ended")
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
+                if isinstance(exc, grpc.Call):
+                    detail = f"{exc.code().name}: {exc.details()}"
+                else:
+                    detail = str(exc) or "not reachable"
                 if self._connected.is_set():
-                    detail = exc.details() if isinstance(exc, grpc.Call) else str(exc) or type(exc).__name__
                     log.warning("draft lost: %s (%s); plain decoding until it is back", self.address, detail)
+                elif detail != last_error:
+                    log.warning("draft %s unavailable (%s); retrying with backoff", self.address, detail)
+                last_error = detail
                 self._connected.clear()
                 self.metrics.draft_connected.set(0)
                 self._recv_q.put(_STREAM_END)

@@ -162,13 +162,15 @@ class Scheduler:
     def _loop(self) -> None:
         while not self.stopped.is_set():
             with self.lock:
-                while not self.waiting and not self.running and not self.stopped.is_set():
+                while not (self.waiting or self.running or self.draft_releases or self.stopped.is_set()):
                     self.lock.wait(timeout=0.5)
             try:
                 self._drop_cancelled()
                 self._admit()
                 if self.running:
                     self._step()
+                elif self.draft_releases:
+                    self._release_on_draft()
             except Exception:  # keep serving; fail the requests of this step loudly
                 log.exception("step failed; failing the running requests")
                 for req in list(self.running):
@@ -271,6 +273,17 @@ class Scheduler:
                 log.warning("draft answered step %d too late; verified it with k = 0", self.step_no)
             return {}
         return {p.request_id: p for p in response.proposals}
+
+    def _release_on_draft(self) -> None:
+        """Nothing is running: tell the draft to free the finished requests now, not at the next step."""
+        if self.link is None or not self.link.connected:
+            self.draft_releases.clear()
+            return
+        self.step_no += 1
+        epoch = self.link.epoch
+        msg = self._draft_message([], [], epoch)
+        if msg.releases:
+            self.link.exchange(msg, epoch, self.config.draft_timeout)
 
     # -- one step ----------------------------------------------------------------
     def _step(self) -> None:

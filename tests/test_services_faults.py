@@ -147,20 +147,22 @@ def test_cancel_and_deadline_free_everything(stack):
     )
     wait_for(lambda: target.metric("specsplit_kv_slots_used") == 0, 10, "target KV slots freed")
     wait_for(lambda: draft.metric("specsplit_kv_slots_used") == 0, 10, "draft KV slots freed")
-    assert target.metric("specsplit_requests_finished_total", reason="aborted") >= 100
+    # Calls cancelled before their first message may never reach the server; the 50 cancelled
+    # mid-stream and the one past its deadline certainly did.
+    assert target.metric("specsplit_requests_finished_total", reason="aborted") >= 51
     # Still serving, still lossless.
     assert generate(stub, request(ids, max_new_tokens=10)).ids == reference(stub, ids, 10)
 
 
 def test_abort_by_request_id(stack):
     _, _, stub = stack
-    call = stub.Generate(request(prompts(1)[0], max_new_tokens=250, request_id="to-abort"))
+    call = stub.Generate(request(prompts(1)[0], max_new_tokens=200, request_id="to-abort"))
     first = next(call)
     assert first.token_ids
     assert stub.Abort(target_pb2.AbortRequest(request_id="to-abort")).found
     last = list(call)[-1]
     assert last.finish_reason == target_pb2.FINISH_REASON_ABORTED
-    assert last.usage.output_tokens < 250
+    assert last.usage.output_tokens < 200
     assert not stub.Abort(target_pb2.AbortRequest(request_id="to-abort")).found
 
 
