@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
+# prometheus/promtool (Debian), yamllint, kubernetes-validate, checkov: for the deploy/observability tests.
+$(VENV)/.deploy-tools: $(STAMP) requirements-deploy.txt scripts/ci_deps.sh
+	scripts/ci_deps.sh
+	touch $@
+
 venv: $(STAMP)
 
 demo: $(STAMP)
@@ -25,9 +30,10 @@ lint: $(STAMP)
 protos: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. protos/specsplit/v1/*.proto
 
-test: $(STAMP)
+test: $(STAMP) $(VENV)/.deploy-tools
 	$(BIN)/ruff check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -x $(PYTEST_ARGS)
+	$(BIN)/python -m grpc_tools.protoc --version >/dev/null
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,6 +3,7 @@
 #   prometheus + promtool : Debian package `prometheus`
 #   yamllint, kubernetes-validate, grafana-foundation-sdk : project .venv (requirements-deploy.txt)
 #   checkov : its own venv .venv/checkov (it pins packaging<24, which would downgrade the project venv)
+#   buf : npm @bufbuild/buf into .venv/buf
 #   kubectl : used if present; tests that need it skip with a reason when it is absent outside CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,12 @@ fi
 if [ ! -x "$VENV/checkov/bin/checkov" ]; then
   python3 -m venv "$VENV/checkov"
   "$VENV/checkov/bin/pip" install -q "checkov==$CHECKOV_VERSION" 2> >(grep -v "^WARNING: Location" >&2)
+fi
+
+# buf (npm @bufbuild/buf) lints protos/ with the STANDARD rules.
+BUF_VERSION=1.75.0
+if [ ! -x "$VENV/buf/node_modules/.bin/buf" ] && command -v npm >/dev/null; then
+  npm install --silent --no-audit --no-fund --prefix "$VENV/buf" "@bufbuild/buf@$BUF_VERSION" >/dev/null
 fi
 
 command -v kubectl >/dev/null || echo "ci_deps: kubectl not found; kustomize render tests will skip outside CI" >&2
