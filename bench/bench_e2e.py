@@ -1,0 +1,237 @@
+"""End-to-end: the two services on one machine, speculation on vs off.
+
+    python bench/bench_e2e.py --preset qwen1.5b --device cuda --out e2e.json     # the H200 run
+    python bench/bench_e2e.py --preset tiny --device cpu                          # a smoke run
+
+Writes a random-weight target (Qwen2.5-1.5B shapes for `qwen1.5b`) and a draft that shares its
+embeddings, head and first layers (the target's later layers are damped so the draft agrees often:
+random weights have no language to agree on otherwise). Starts a draft and a target service (TP=1 each,
+separate processes, gRPC over loopback) per dtype and reports, at batch 1 and 16:
+  - greedy spec-on vs spec-off: identical sequences (fp32) / token match rate (bf16),
+  - TPOT (decode time / (tokens - 1), median over requests) and output tokens/s, spec on and off,
+  - acceptance rate, mean accepted length, and the ideal speedup (DESIGN.md section 2) beside the
+    measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.tiny import make_tiny_model
+from specsplit.launch import start_service
+from specsplit.v1 import sampling_pb2, target_pb2, target_pb2_grpc
+
+PRESETS = {
+    # Qwen2.5-1.5B shapes: 1.54B parameters.
+    "qwen1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        intermediate_size=8960,
+        draft_layers=2,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        draft_layers=1,
+    ),
+}
+
+
+def make_models(root: Path, preset: str) -> tuple[Path, Path]:
+    p = dict(PRESETS[preset])
+    draft_layers = p.pop("draft_layers")
+    target, draft = root / f"{preset}-target", root / f"{preset}-draft"
+    if not (target / "config.json").exists():
+        make_tiny_model(
+            target,
+            seed=0,
+            late_layer_scale=0.1,
+            late_layers_from=draft_layers,
+            max_position_embeddings=4096,
+            **p,
+        )
+    if not (draft / "config.json").exists():
+        p["num_layers"] = draft_layers
+        make_tiny_model(draft, seed=1, base=target, share_layers=draft_layers, **p)
+    return target, draft
+
+
+def one(stub, ids: list[int], n: int, k: int) -> dict:
+    req = target_pb2.GenerateRequest(
+        token_ids=target_pb2.TokenIds(ids=ids),
+        max_new_tokens=n,
+        ignore_eos=True,
+        num_speculative_tokens=k,
+        sampling=sampling_pb2.SamplingParams(temperature=0),
+    )
+    out: list[int] = []
+    first = last = 0.0
+    usage = None
+    for msg in stub.Generate(req, timeout=1800):
+        now = time.perf_counter()
+        if msg.token_ids:
+            first = first or now
+            last = now
+        out += msg.token_ids
+        if msg.HasField("usage"):
+            usage = msg.usage
+    return {"ids": out, "tpot": (last - first) / max(1, len(out) - 1), "usage": usage}
+
+
+def run_batch(address: str, prompts: list[list[int]], n: int, k: int) -> dict:
+    with grpc.insecure_channel(address) as ch:
+        stub = target_pb2_grpc.TargetServiceStub(ch)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: one(stub, p, n, k), prompts))
+        wall = time.perf_counter() - t0
+    drafted = sum(r["usage"].drafted_tokens for r in results)
+    accepted = sum(r["usage"].accepted_tokens for r in results)
+    steps = sum(r["usage"].steps for r in results)
+    return {
+        "ids": [r["ids"] for r in results],
+        "tpot_ms": 1e3 * statistics.median(r["tpot"] for r in results),
+        "tokens_per_s": sum(len(r["ids"]) for r in results) / wall,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "mean_accepted": accepted / steps if steps else 0.0,
+    }
+
+
+def step_times(draft, target) -> list[float]:
+    """[draft round seconds, rounds, verify seconds, verify steps] so far, from /metrics."""
+    return [
+        draft.metric("specsplit_draft_step_seconds_sum"),
+        draft.metric("specsplit_draft_step_seconds_count"),
+        target.metric("specsplit_verify_step_seconds_sum"),
+        target.metric("specsplit_verify_step_seconds_count"),
+    ]
+
+
+def ideal_speedup(alpha: float, k: int, c: float) -> float:
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) if alpha < 1 else (k + 1) / (k * c + 1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="tiny", choices=list(PRESETS))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--models", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    root = args.models or Path(tempfile.gettempdir()) / "specsplit-bench-models"
+    t0 = time.perf_counter()
+    target_dir, draft_dir = make_models(root, args.preset)
+    print(f"models ready in {time.perf_counter() - t0:.0f}s at {root}", flush=True)
+    vocab = PRESETS[args.preset]["vocab_size"]
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
+    logs = Path(tempfile.mkdtemp(prefix="specsplit-bench-"))
+    rows = []
+    for dtype in args.dtypes:
+        common = ["--device", args.device, "--dtype", dtype]
+        draft = start_service(
+            "draft_service", ["--model", str(draft_dir), *common], logs / f"draft-{dtype}.log"
+        )
+        draft.wait_ready(600)
+        target = start_service(
+            "target_service",
+            [
+                "--model",
+                str(target_dir),
+                *common,
+                "--draft-address",
+                draft.address,
+                "--num-speculative-tokens",
+                str(args.k),
+                "--max-batch-size",
+                str(max(args.batches)),
+            ],
+            logs / f"target-{dtype}.log",
+        )
+        try:
+            target.wait_ready(600)
+            run_batch(target.address, prompts[:2], 8, args.k)  # warm-up (allocator, kernels)
+            run_batch(target.address, prompts[:2], 8, 0)
+            for batch in args.batches:
+                plain = run_batch(target.address, prompts[:batch], args.new_tokens, 0)
+                before = step_times(draft, target)
+                spec = run_batch(target.address, prompts[:batch], args.new_tokens, args.k)
+                after = step_times(draft, target)
+                d_sum, d_n, v_sum, v_n = (a - b for a, b in zip(after, before))
+                # c: one draft position vs one verify step (draft rounds include draft-ahead work).
+                c = (d_sum / d_n / args.k) / (v_sum / v_n) if d_n and v_n else 0.0
+                same_seq = sum(a == b for a, b in zip(spec["ids"], plain["ids"]))
+                tok_total = sum(len(a) for a in plain["ids"])
+                tok_same = sum(x == y for a, b in zip(spec["ids"], plain["ids"]) for x, y in zip(a, b))
+                row = {
+                    "dtype": dtype,
+                    "batch": batch,
+                    "k": args.k,
+                    "identical_sequences": f"{same_seq}/{batch}",
+                    "token_match_rate": tok_same / tok_total,
+                    "tpot_ms_plain": plain["tpot_ms"],
+                    "tpot_ms_spec": spec["tpot_ms"],
+                    "tokens_per_s_plain": plain["tokens_per_s"],
+                    "tokens_per_s_spec": spec["tokens_per_s"],
+                    "speedup": plain["tpot_ms"] / spec["tpot_ms"],
+                    "acceptance": spec["acceptance"],
+                    "mean_accepted": spec["mean_accepted"],
+                    "cost_ratio_c": c,
+                    "ideal_speedup": ideal_speedup(spec["acceptance"], args.k, c),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            target.stop()
+            draft.stop()
+    print(
+        f"\n{args.preset}, device {args.device}, k={args.k}, {args.new_tokens} new tokens, "
+        f"prompt {args.prompt_len}"
+    )
+    print(
+        "| dtype | B | identical (greedy) | token match | TPOT off | TPOT on | tok/s off | tok/s on "
+        "| speedup | acceptance | mean accepted | c | ideal |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['dtype']} | {r['batch']} | {r['identical_sequences']} | {r['token_match_rate']:.3f} "
+            f"| {r['tpot_ms_plain']:.2f} ms | {r['tpot_ms_spec']:.2f} ms | {r['tokens_per_s_plain']:.0f} "
+            f"| {r['tokens_per_s_spec']:.0f} | {r['speedup']:.2f}x | {r['acceptance']:.2f} "
+            f"| {r['mean_accepted']:.2f} | {r['cost_ratio_c']:.2f} | {r['ideal_speedup']:.2f}x |"
+        )
+    if args.out:
+        args.out.write_text(
+            json.dumps({"preset": args.preset, "device": args.device, "rows": rows}, indent=2)
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
