@@ -406,7 +406,12 @@ def test_draft_from_base_shares_weights(tmp_path):
 
 # ---------------------------------------------------------------- tokenizer, slots, comm
 def test_tokenizers(tmp_path, qwen3):
+    # Tiny models ship a BPE tokenizer.json trained on a fixed paragraph.
     tok = load_tokenizer(qwen3)
+    assert not tok.is_byte_level and 256 < tok.vocab_size <= 512 and tok.eos_token_id is None
+    assert tok.decode(tok.encode("the draft service")) == "the draft service"
+    bare = make_tiny_model(tmp_path / "bare", tokenizer=False)
+    tok = load_tokenizer(bare)
     assert tok.is_byte_level and tok.vocab_size == 256 and tok.eos_token_id is None
     text = "héllo, wörld"
     assert tok.decode(tok.encode(text)) == text
