@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics = ServiceMetrics("draft", mc.name, comm_stats=comm_stats)
     metrics.kv_slots_total.set(config.max_batch_size)
+    metrics.set_info(
+        tp_size=comm.world_size,
+        device=config.device,
+        dtype=config.dtype,
+        method=config.method,
+        markov_head_mode=config.markov_head_mode if mc.markov_rank else "none",
+    )
     state = DraftState(runner, SlotTable(config.max_batch_size))
     servicer = DraftServicer(
         config, state, metrics, mc.name, mc.vocab_size, comm.world_size, mc.markov_rank > 0

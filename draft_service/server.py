@@ -44,10 +44,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_target_id = -1
 
     # -- helpers -------------------------------------------------------------
-    def _count(self, direction: str, kind: str, msg) -> None:
-        self.metrics.grpc_bytes(direction, kind).inc(msg.ByteSize())
-        self.metrics.grpc_messages(direction, kind).inc()
-
     def _update_gauges(self, live: int) -> None:
         self.metrics.kv_slots_used.set(self.state.slots.num_used)
         self.metrics.running.set(self.state.slots.num_used)
@@ -117,7 +113,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 msg = inbox.get()
                 if msg is _END or not context.is_active():
                     return
-                self._count("received", "speculate_request", msg)
+                self.metrics.count_grpc_message("received", "speculate_request", msg.ByteSize())
                 if msg.step <= last_step:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step: {msg.step} not after {last_step}")
                 last_step = msg.step
@@ -130,7 +126,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self._check_request(msg, reqs, context)
                 with self.engine_lock:
                     response, proposed = self._step(msg, reqs, context)
-                self._count("sent", "speculate_response", response)
+                self.metrics.count_grpc_message("sent", "speculate_response", response.ByteSize())
                 yield response
                 # Draft-ahead runs while the target verifies, unless the next step is already here.
                 if self.config.draft_ahead and proposed and inbox.empty():

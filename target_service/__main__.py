@@ -66,6 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
     metrics = ServiceMetrics("target", mc.name, comm_stats=comm_stats)
     metrics.kv_slots_total.set(config.max_batch_size)
+    metrics.set_info(
+        tp_size=comm.world_size,
+        device=config.device,
+        dtype=config.dtype,
+        verify_backend=config.verify_backend,
+    )
     metrics.draft_connected.set(0)
     try:
         link = None

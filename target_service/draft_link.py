@@ -109,8 +109,7 @@ class DraftLink:
                 )
                 backoff = 0.1
                 for response in call:
-                    self.metrics.grpc_bytes("received", "speculate_response").inc(response.ByteSize())
-                    self.metrics.grpc_messages("received", "speculate_response").inc()
+                    self.metrics.count_grpc_message("received", "speculate_response", response.ByteSize())
                     self._recv_q.put(response)
                 raise grpc.RpcError("stream ended")
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
@@ -144,8 +143,7 @@ class DraftLink:
         if self._first_message:
             msg.target_vocab_size = self.target_vocab_size
             self._first_message = False
-        self.metrics.grpc_bytes("sent", "speculate_request").inc(msg.ByteSize())
-        self.metrics.grpc_messages("sent", "speculate_request").inc()
+        self.metrics.count_grpc_message("sent", "speculate_request", msg.ByteSize())
         t0 = time.perf_counter()
         send_q.put(msg)
         deadline = t0 + timeout

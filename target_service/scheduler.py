@@ -106,6 +106,11 @@ class Scheduler:
         self.draft_releases: list[int] = []
         self._draft_ids = itertools.count(1)
         self.verify_fn = self._pick_verify_backend()
+        # Labelled series exist from the start, so rate() sees their first increase.
+        for pos in range(config.max_speculative_tokens):
+            metrics.accepted_at_position(pos)
+        for reason in ("length", "eos", "stop_token", "stop_string", "aborted"):
+            metrics.finished(reason)
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     def _pick_verify_backend(self):
@@ -437,8 +442,8 @@ class Scheduler:
         self.metrics.finished(name).inc()
         if reason != FINISH.FINISH_REASON_ABORTED or req.first_token:
             self.metrics.e2e_latency.observe(now - req.arrival)
-        if len(req.output) > 1 and req.first_token:
-            self.metrics.tpot.observe((now - req.first_token) / (len(req.output) - 1))
+        if req.first_token:
+            self.metrics.observe_tpot(now - req.first_token, len(req.output))
         if error:
             req.out.put(RuntimeError(error))
         elif req.cancelled != "client":

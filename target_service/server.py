@@ -128,8 +128,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def Generate(
         self, request: target_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[target_pb2.GenerateResponse]:
-        self.metrics.grpc_bytes("received", "generate_request").inc(request.ByteSize())
-        self.metrics.grpc_messages("received", "generate_request").inc()
+        self.metrics.count_grpc_message("received", "generate_request", request.ByteSize())
         if not self.ready:
             self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is not ready")
         try:
@@ -158,8 +157,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 return
             if isinstance(item, Exception):
                 self._abort(context, grpc.StatusCode.INTERNAL, str(item))
-            self.metrics.grpc_bytes("sent", "generate_response").inc(item.ByteSize())
-            self.metrics.grpc_messages("sent", "generate_response").inc()
+            self.metrics.count_grpc_message("sent", "generate_response", item.ByteSize())
             yield item
 
     def Abort(
