@@ -53,6 +53,8 @@ PRESETS = {
         draft_layers=1,
     ),
 }
+# Damping of the target's layers past the draft's: deep random stacks drift far from their first layers.
+LATE_LAYER_SCALE = {"qwen1.5b": 0.02, "tiny": 0.1}
 
 
 def make_models(root: Path, preset: str) -> tuple[Path, Path]:
