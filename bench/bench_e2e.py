@@ -118,12 +118,15 @@ def run_batch(address: str, prompts: list[list[int]], n: int, k: int) -> dict:
 
 
 def step_times(draft, target) -> list[float]:
-    """[draft round seconds, rounds, verify seconds, verify steps] so far, from /metrics."""
+    """[draft round s, rounds, verify s, verify steps, round trip s, round trips, fallback steps] so far."""
     return [
         draft.metric("specsplit_draft_step_seconds_sum"),
         draft.metric("specsplit_draft_step_seconds_count"),
         target.metric("specsplit_verify_step_seconds_sum"),
         target.metric("specsplit_verify_step_seconds_count"),
+        target.metric("specsplit_draft_round_trip_seconds_sum"),
+        target.metric("specsplit_draft_round_trip_seconds_count"),
+        target.metric("specsplit_spec_fallback_steps_total"),
     ]
 
 
@@ -185,7 +188,7 @@ def main() -> int:
                 before = step_times(draft, target)
                 spec = run_batch(target.address, prompts[:batch], args.new_tokens, args.k)
                 after = step_times(draft, target)
-                d_sum, d_n, v_sum, v_n = (a - b for a, b in zip(after, before))
+                d_sum, d_n, v_sum, v_n, rt_sum, rt_n, fallbacks = (a - b for a, b in zip(after, before))
                 # c: one draft position vs one verify step (draft rounds include draft-ahead work).
                 c = (d_sum / d_n / args.k) / (v_sum / v_n) if d_n and v_n else 0.0
                 same_seq = sum(a == b for a, b in zip(spec["ids"], plain["ids"]))
@@ -206,6 +209,10 @@ def main() -> int:
                     "mean_accepted": spec["mean_accepted"],
                     "cost_ratio_c": c,
                     "ideal_speedup": ideal_speedup(spec["acceptance"], args.k, c),
+                    "draft_round_ms": 1e3 * d_sum / d_n if d_n else 0.0,
+                    "verify_step_ms": 1e3 * v_sum / v_n if v_n else 0.0,
+                    "round_trip_ms": 1e3 * rt_sum / rt_n if rt_n else 0.0,
+                    "fallback_steps": fallbacks,
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
