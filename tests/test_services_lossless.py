@@ -6,6 +6,8 @@ from a one-position verify, i.e. the target alone). Greedy comparisons are exact
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from service_util import generate_many, prompts, request, start_draft, start_target
 
@@ -116,3 +118,30 @@ def test_sampled_drafting_and_no_draft_ahead(demo_models, tmp_path):
     finally:
         target.stop()
         draft.stop()
+
+
+def test_target_tp2_lossless_and_json_logs(demo_models, tmp_path):
+    """The target's own TP group (2 gloo ranks spawned by the service): speculative output equals its
+    plain decoding; logs are one JSON object per line."""
+    draft = start_draft(demo_models.draft, tmp_path).wait_ready()
+    target = start_target(
+        demo_models.target, tmp_path, draft, "--tp-size", "2", "--log-format", "json"
+    ).wait_ready()
+    try:
+        ps = prompts(8, seed=5)
+        plain = generate_many(target.address, [request(p, k=0) for p in ps], 8)
+        spec = generate_many(target.address, [request(p) for p in ps], 8)
+        assert_same(spec, plain)
+        assert sum(r.usage.accepted_tokens for r in spec) > 0
+        # The verify forward all-reduces inside the model and all-gathers the logits.
+        assert target.metric("specsplit_tp_comm_calls_total", site="logits_gather") > 0
+        assert target.metric("specsplit_tp_comm_calls_total", site="attn_out") > 0
+        assert target.metric("specsplit_service_info", tp_size="2") == 1
+    finally:
+        target.stop()
+        draft.stop()
+    records = [json.loads(line) for line in target.log_text().splitlines() if line.startswith("{")]
+    messages = [r["msg"] for r in records]
+    assert any(m.startswith("ready:") for m in messages), messages
+    assert any(m.startswith("draft connected") for m in messages), messages
+    assert all({"ts", "level", "logger", "msg"} <= r.keys() for r in records)
