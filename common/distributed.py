@@ -46,6 +46,14 @@ def comm_stats() -> dict[tuple[str, str], tuple[int, int]]:
     return {key: (calls, nbytes) for key, (calls, nbytes) in _STATS.items()}
 
 
+def add_comm_stats(delta: dict[tuple[str, str], tuple[int, int]]) -> None:
+    """Adds counts observed elsewhere, e.g. the collectives a replayed CUDA graph performed again."""
+    for key, (calls, nbytes) in delta.items():
+        entry = _STATS.setdefault(key, [0, 0])
+        entry[0] += calls
+        entry[1] += nbytes
+
+
 def reset_comm_stats() -> None:
     _STATS.clear()
 

@@ -29,6 +29,7 @@ class DraftConfig:
     sampled_top_k: int = flag(16, "K of the truncated draft distribution sent with sampled drafting")
     max_batch_size: int = flag(64, "draft KV slots (concurrent requests over all targets)")
     max_context_length: int = flag(4096, "longest sequence a request may reach")
+    cuda_graphs: bool = flag(True, "replay greedy draft steps from CUDA graphs (per batch/context bucket)")
     draft_ahead: bool = flag(True, "draft round r+1 while the target verifies round r")
     grpc_workers: int = flag(16, "gRPC server threads")
     auth_token_file: str = flag("", "file holding a bearer token every call must carry")

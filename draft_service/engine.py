@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.batch import pack
+from common.cuda_graphs import StaticStep
 from common.distributed import Comm
 from common.kernels.sampling import sample_draft_topk
 from common.kv_cache import KVCache, SlotTable
@@ -55,14 +56,30 @@ class DraftRunner:
         self.max_len = config.max_context_length + 2 * config.max_speculative_tokens + 4
         self.cache = KVCache(
             num_layers=mc.num_hidden_layers,
-            num_slots=config.max_batch_size,
+            num_slots=config.max_batch_size + 1,  # the last one is the scratch slot of padded rows
             max_len=self.max_len,
             num_kv_heads=mc.num_key_value_heads // comm.world_size,
             head_dim=mc.head_dim,
             dtype=DTYPES[config.dtype],
             device=self.device,
         )
+        self.greedy_step = StaticStep(
+            self._greedy_next,
+            config.max_batch_size,
+            self.max_len,
+            scratch_slot=config.max_batch_size,
+            device=self.device,
+            use_graphs=config.cuda_graphs,
+        )
         self.executor = TPExecutor(comm, {"draft_round": self.draft_round})
+
+    def _greedy_next(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_len: int
+    ) -> torch.Tensor:
+        """One greedy draft position: feed [B, 1] tokens, return the next draft-vocab ids [B]."""
+        hidden = self.model(input_ids, positions, slots, self.cache, ctx_len)[:, 0]
+        zeros = torch.zeros_like(input_ids[:, 0], dtype=torch.float32)
+        return self._pick(hidden, input_ids[:, 0], zeros, zeros.long(), positions[:, 0], False)[0]
 
     def max_target_id(self) -> int:
         mc = self.model.config
@@ -116,23 +133,21 @@ class DraftRunner:
         seed_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)
         sampled_rows = self.config.draft_sampling == "sampled" and any(t > 0 for t in temperatures)
         drafted, all_ids, all_probs = [], [], []
+        draft_ids, ids, probs = self._pick(hidden, prev, temperature, seed_t, positions, sampled_rows)
         for j in range(k):
-            token, ids, probs = self._pick(hidden, prev, temperature, seed_t, positions, sampled_rows)
-            token = self.model.map_to_target(token)
+            token = self.model.map_to_target(draft_ids)
             drafted.append(token)
             if ids is not None:
                 all_ids.append(self.model.map_to_target(ids))
                 all_probs.append(probs)
             if j == k - 1:
                 break
-            hidden = self.model(
-                token[:, None],
-                positions[:, None],
-                batch.slots,
-                self.cache,
-                min(self.max_len, batch.ctx_len + j + 1),
-            )[:, 0]
-            prev = token
+            ctx = min(self.max_len, batch.ctx_len + j + 1)
+            if sampled_rows:
+                hidden = self.model(token[:, None], positions[:, None], batch.slots, self.cache, ctx)[:, 0]
+                draft_ids, ids, probs = self._pick(hidden, token, temperature, seed_t, positions + 1, True)
+            else:  # static shapes: replayed from a CUDA graph on the GPU
+                draft_ids = self.greedy_step(token[:, None], positions[:, None], batch.slots, ctx)
             positions = positions + 1
         tokens = torch.stack(drafted, dim=1).tolist()
         if not all_ids:

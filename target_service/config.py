@@ -26,6 +26,9 @@ class TargetConfig:
     max_stop_string_length: int = flag(256, "characters per stop string")
     draft_timeout: float = flag(2.0, "seconds to wait for a draft proposal before verifying with k = 0")
     draft_backoff_max: float = flag(10.0, "longest pause between draft reconnect attempts, seconds")
+    cuda_graphs: bool = flag(
+        True, "replay verify steps from CUDA graphs (one per batch/width/context bucket)"
+    )
     verify_backend: str = flag(
         "auto",
         "rejection kernels: triton, the torch reference, or auto "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from common.batch import pack
+from common.cuda_graphs import StaticStep
 from common.distributed import Comm
 from common.kv_cache import KVCache
 from common.loader import load_model
@@ -27,14 +28,26 @@ class TargetRunner:
         self.max_len = self.max_context + config.max_speculative_tokens + 2
         self.cache = KVCache(
             num_layers=mc.num_hidden_layers,
-            num_slots=config.max_batch_size,
+            num_slots=config.max_batch_size + 1,  # the last one is the scratch slot of padded rows
             max_len=self.max_len,
             num_kv_heads=mc.num_key_value_heads // comm.world_size,
             head_dim=mc.head_dim,
             dtype=DTYPES[config.dtype],
             device=self.device,
         )
+        self.verify_step = StaticStep(
+            self._logits,
+            config.max_batch_size,
+            self.max_len,
+            scratch_slot=config.max_batch_size,
+            device=self.device,
+            use_graphs=config.cuda_graphs,
+        )
         self.executor = TPExecutor(comm, {"prefill": self.prefill, "verify_forward": self.verify_forward})
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_len: int):
+        hidden = self.model(input_ids, positions, slots, self.cache, ctx_len)
+        return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
 
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], slots: list[int]) -> None:
@@ -48,8 +61,7 @@ class TargetRunner:
     ) -> torch.Tensor:
         """rows[b] = [t_n, d_1..d_k] at positions starts[b]...; returns fp32 logits [B * width, V]."""
         batch = pack(rows, starts, slots, self.device, self.max_len, width=width)
-        hidden = self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
-        return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+        return self.verify_step(batch.input_ids, batch.positions, batch.slots, batch.ctx_len)
 
 
 def tp_worker(comm: Comm, config: TargetConfig) -> TPExecutor:

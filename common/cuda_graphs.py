@@ -1,0 +1,124 @@
+"""Static-shape steps, replayed from CUDA graphs on the GPU.
+
+Eager PyTorch spends most of a small-batch decode step launching kernels from Python (hundreds per
+forward). A `StaticStep` pads every call to a bucket (batch size, rows width, context length), copies
+the inputs into static buffers and replays a graph captured once per bucket. Padding rows write their
+KV into a scratch slot that no request owns. On the CPU (or with graphs off) the same padded path runs
+eagerly, so the bucketing logic is tested everywhere.
+
+Collectives inside a captured step still move their bytes on every replay, but the Python that
+counts them only ran at capture: the counts observed during capture are added again on each replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from common.distributed import add_comm_stats, comm_stats
+
+
+def buckets(limit: int, start: int = 1) -> list[int]:
+    """Powers of two from `start`, the last one clipped to `limit`."""
+    out = [start]
+    while out[-1] < limit:
+        out.append(min(out[-1] * 2, limit))
+    return out
+
+
+class StaticStep:
+    """`fn(input_ids [B, L], positions [B, L], slots [B], ctx_len) -> Tensor` made static-shape.
+
+    `fn` must be deterministic in shape: its output's first dimension is B (or B * L).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[Tensor, Tensor, Tensor, int], Tensor],
+        max_batch: int,
+        max_len: int,
+        scratch_slot: int,
+        device: torch.device,
+        use_graphs: bool,
+        min_ctx: int = 256,
+    ):
+        self.fn = fn
+        self.device = device
+        self.scratch_slot = scratch_slot
+        self.batch_buckets = buckets(max_batch)
+        self.ctx_buckets = buckets(max_len, min(min_ctx, max_len))
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, dict, Tensor, dict]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def _bucket(self, values: list[int], n: int) -> int:
+        return values[bisect.bisect_left(values, n)]
+
+    def _inputs(self, batch: int, width: int) -> dict[str, Tensor]:
+        return {
+            "input_ids": torch.zeros(batch, width, dtype=torch.int64, device=self.device),
+            "positions": torch.arange(width, device=self.device).repeat(batch, 1),
+            "slots": torch.full((batch,), self.scratch_slot, dtype=torch.int64, device=self.device),
+        }
+
+    def _capture(self, batch: int, width: int, ctx: int):
+        static = self._inputs(batch, width)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotuning)
+            self.fn(static["input_ids"], static["positions"], static["slots"], ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        before = comm_stats()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.fn(static["input_ids"], static["positions"], static["slots"], ctx)
+        after = comm_stats()
+        per_replay = {
+            k: (c - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
+            for k, (c, b) in after.items()
+            if (c, b) != before.get(k, (0, 0))
+        }
+        return graph, static, out, per_replay
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: Tensor, positions: Tensor, slots: Tensor, ctx_len: int) -> Tensor:
+        """Inputs [B, L] / [B]; returns fn's output for the B real rows."""
+        batch, width = input_ids.shape
+        if batch > self.batch_buckets[-1] or ctx_len > self.ctx_buckets[-1]:
+            return self.fn(input_ids, positions, slots, ctx_len)
+        padded = self._bucket(self.batch_buckets, batch)
+        ctx = self._bucket(self.ctx_buckets, ctx_len)
+        if not self.use_graphs:
+            static = self._inputs(padded, width)
+            self._fill(static, input_ids, positions, slots)
+            out = self.fn(static["input_ids"], static["positions"], static["slots"], ctx)
+            return self._real_rows(out, batch, width, padded)
+        key = (padded, width, ctx)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(padded, width, ctx)
+        graph, static, out, per_replay = self.graphs[key]
+        self._fill(static, input_ids, positions, slots)
+        graph.replay()
+        add_comm_stats(per_replay)
+        return self._real_rows(out, batch, width, padded)
+
+    def _fill(self, static: dict[str, Tensor], input_ids: Tensor, positions: Tensor, slots: Tensor) -> None:
+        batch, width = input_ids.shape
+        static["input_ids"][:batch].copy_(input_ids)
+        static["positions"][:batch].copy_(positions)
+        static["slots"][:batch].copy_(slots)
+        # Rows past the real ones must write only into the scratch slot, whatever the last call left.
+        static["input_ids"][batch:].zero_()
+        static["positions"][batch:].copy_(
+            torch.arange(width, device=self.device).expand_as(static["positions"][batch:])
+        )
+        static["slots"][batch:].fill_(self.scratch_slot)
+
+    @staticmethod
+    def _real_rows(out: Tensor, batch: int, width: int, padded: int) -> Tensor:
+        if out.shape[0] == padded:
+            return out[:batch]
+        return out[: batch * width]  # flattened [B * L, ...] outputs
