@@ -6,6 +6,10 @@ For each (mode, dtype, B) it reports the median time (triton.testing.do_bench; C
 for B <= --graph-max-batch) and the effective bandwidth = bytes of target logits read once / time,
 next to the device-to-device copy bandwidth measured in the same run. Prints a markdown table.
 Modes: greedy (T = 0, greedy drafting), sampled (T = 1, one-hot q), sampled_topk (T = 1, sparse q).
+
+    python bench/bench_rejection.py --out tune.json --tune
+
+sweeps the launch parameters of the stats pass (rejection.STATS_*) instead, at --tune-batch.
 """
 
 import argparse
@@ -19,6 +23,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.kernels import rejection
 from common.kernels.rejection import verify
 from common.kernels.rejection_ref import verify_reference
 
@@ -81,7 +86,12 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--graph-max-batch", type=int, default=16, help="CUDA-graph replay up to this B")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--tune", action="store_true", help="sweep rejection.STATS_* launch parameters")
+    parser.add_argument("--tune-batch", type=int, nargs="+", default=[1, 64, 256])
     args = parser.parse_args()
+    if args.tune:
+        tune(args)
+        return
 
     rows_max = max(args.batch) * (args.max_k + 1)
     copy_bw = copy_bandwidth(rows_max * args.vocab * 4)
@@ -114,6 +124,40 @@ def main() -> None:
     )
     Path(args.out).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
     print(markdown_table(meta, results))
+
+
+# (STATS_BLOCK_BYTES, STATS_WARPS, STATS_MAX_BLOCKS, STATS_PROGRAMS)
+TUNE_GRID = [
+    (8192, 8, 8, 4096),
+    (4096, 4, 8, 4096),
+    (8192, 4, 8, 4096),
+    (16384, 8, 4, 4096),
+    (16384, 16, 8, 4096),
+    (8192, 8, 32, 4096),
+    (8192, 8, 8, 16384),
+    (16384, 8, 16, 2048),
+]
+
+
+def tune(args) -> None:
+    """Time verify for every stats-pass configuration in TUNE_GRID (greedy and sampled)."""
+    copy_bw = copy_bandwidth(max(args.tune_batch) * (args.max_k + 1) * args.vocab * 4)
+    results = []
+    for block_bytes, warps, max_blocks, programs in TUNE_GRID:
+        rejection.STATS_BLOCK_BYTES, rejection.STATS_WARPS = block_bytes, warps
+        rejection.STATS_MAX_BLOCKS, rejection.STATS_PROGRAMS = max_blocks, programs
+        for mode in ("greedy", "sampled"):
+            for dtype in (torch.float32, torch.bfloat16):
+                for batch in args.tune_batch:
+                    kw = make_inputs(mode, batch, args.max_k, args.vocab, dtype, args.topk)
+                    ms = time_call(lambda kw=kw: verify(**kw), batch <= args.graph_max_batch)
+                    nbytes = kw["target_logits"].numel() * kw["target_logits"].element_size()
+                    row = dict(block_bytes=block_bytes, warps=warps, max_blocks=max_blocks, programs=programs)
+                    row.update(mode=mode, dtype=str(dtype).removeprefix("torch."), batch=batch)
+                    row.update(us=round(ms * 1e3, 1), bw_frac=round(nbytes / (ms * 1e-3) / copy_bw, 3))
+                    results.append(row)
+                    print(json.dumps(row), flush=True)
+    Path(args.out).write_text(json.dumps(dict(copy_bw_bytes_per_s=copy_bw, results=results), indent=2))
 
 
 def markdown_table(meta: dict, results: list[dict]) -> str:

@@ -137,3 +137,17 @@ def test_bad_shapes_name_the_tensor():
         verify(torch.randn(5, 10), **ok)
     with pytest.raises(ValueError, match="draft_topk_probs"):
         verify(logits, **ok, draft_topk_ids=torch.zeros(2, 2, 3, dtype=torch.long))
+
+
+def test_greedy_first_maximum_across_vocab_chunks(monkeypatch):
+    """Ties split over several vocab chunks still resolve to the first maximum."""
+    from common.kernels import rejection
+
+    monkeypatch.setattr(rejection, "STATS_PROGRAMS", 1 << 20)
+    monkeypatch.setattr(rejection, "STATS_BLOCK_BYTES", 64)
+    monkeypatch.setattr(rejection, "STATS_MAX_BLOCKS", 2)
+    assert rejection.stats_config(4, 300, 4)[2] > 4
+    logits, draft, k = greedy_batch(16, 3, 300, torch.float32, seed=4)
+    out, acc, _ = call(verify, logits, draft, k)
+    want_out, want_acc = naive_greedy(logits, draft, k)
+    assert torch.equal(out, want_out) and torch.equal(acc, want_acc)

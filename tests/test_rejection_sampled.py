@@ -245,3 +245,28 @@ def test_sample_draft_topk_samples_its_truncated_distribution():
     counts = torch.bincount(token, minlength=vocab)[ids[0]].double()
     stat = ((counts - probs[0] * n) ** 2 / (probs[0] * n)).sum().item()
     assert scipy.stats.chi2.sf(stat, 3) > P_MIN
+
+
+@pytest.fixture
+def tiny_chunks(monkeypatch):
+    """Split every row into several vocab chunks (the GPU configuration at small sizes), so the
+    chunk merges, the cross-chunk first-max rule and the per-chunk exclusions are exercised."""
+    from common.kernels import rejection
+
+    monkeypatch.setattr(rejection, "STATS_PROGRAMS", 1 << 20)
+    monkeypatch.setattr(rejection, "STATS_BLOCK_BYTES", 64)
+    monkeypatch.setattr(rejection, "STATS_MAX_BLOCKS", 2)
+    monkeypatch.setattr(rejection, "SAMPLE_PROGRAMS", 1 << 20)
+    monkeypatch.setattr(rejection, "SAMPLE_BLOCK", 16)
+    monkeypatch.setattr(rejection, "SAMPLE_MAX_BLOCKS", 2)
+    assert rejection.stats_config(8, 200, 4)[2] > 1 and rejection.sample_config(2, 200, 4)[2] > 1
+
+
+@pytest.mark.parametrize("q_mode", ["one_hot", "sparse", "dense"])
+def test_kernel_matches_reference_with_many_vocab_chunks(q_mode, tiny_chunks):
+    args, kw = random_mixed_batch(24, 200, q_mode, torch.float32, seed=21)
+    out, accepted = run(verify, args, kw)
+    ref_out, ref_accepted = run_reference(args, kw)
+    mismatched = (out != ref_out).any(-1) | (accepted != ref_accepted)
+    assert mismatched.sum() <= (1 if ON_GPU else 0), mismatched.nonzero().flatten().tolist()
+    assert 0 < ref_accepted.sum() < args[2].sum()
