@@ -54,7 +54,7 @@ PRESETS = {
     ),
 }
 # Damping of the target's layers past the draft's: deep random stacks drift far from their first layers.
-LATE_LAYER_SCALE = {"qwen1.5b": 0.02, "tiny": 0.1}
+LATE_LAYER_SCALE = {"qwen1.5b": 0.003, "tiny": 0.1}
 
 
 def make_models(root: Path, preset: str) -> tuple[Path, Path]:
@@ -176,13 +176,16 @@ def main() -> int:
                 str(args.k),
                 "--max-batch-size",
                 str(max(args.batches)),
+                "--log-level",
+                "DEBUG",  # per-phase step times every 256 steps
             ],
             logs / f"target-{dtype}.log",
         )
         try:
             target.wait_ready(600)
-            run_batch(target.address, prompts[:2], 8, args.k)  # warm-up (allocator, kernels)
-            run_batch(target.address, prompts[:2], 8, 0)
+            for batch in args.batches:  # warm-up: allocator, kernels, any graph not captured at start
+                run_batch(target.address, prompts[:batch], 8, args.k)
+                run_batch(target.address, prompts[:batch], 8, 0)
             for batch in args.batches:
                 plain = run_batch(target.address, prompts[:batch], args.new_tokens, 0)
                 before = step_times(draft, target)

@@ -84,6 +84,22 @@ class StaticStep:
         return graph, static, out, per_replay
 
     @torch.inference_mode()
+    def warm_up(self, widths: list[int], max_ctx: int | None = None) -> int:
+        """Captures every (batch bucket, width, context bucket) up front, so no request pays for a
+        capture. Runs only padding rows (scratch slot). Returns the number of graphs."""
+        if not self.use_graphs:
+            return 0
+        for ctx in self.ctx_buckets:
+            if max_ctx is not None and ctx > max_ctx:
+                break
+            for batch in self.batch_buckets:
+                for width in widths:
+                    if (batch, width, ctx) not in self.graphs:
+                        self.graphs[batch, width, ctx] = self._capture(batch, width, ctx)
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs)
+
+    @torch.inference_mode()
     def __call__(self, input_ids: Tensor, positions: Tensor, slots: Tensor, ctx_len: int) -> Tensor:
         """Inputs [B, L] / [B]; returns fn's output for the B real rows."""
         batch, width = input_ids.shape

@@ -44,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mc = runner.model.config
     log.info(
-        "draft model loaded in %.1fs: %s, vocab %d, markov head %s",
+        "draft model loaded in %.1fs: %s, vocab %d, markov head %s, %d CUDA graphs",
         time.perf_counter() - t0,
         mc.name,
         mc.vocab_size,
         f"rank {mc.markov_rank} ({config.markov_head_mode})" if mc.markov_rank else "off",
+        runner.graphs,
     )
 
     metrics = ServiceMetrics("draft", mc.name, comm_stats=comm_stats)

@@ -72,6 +72,7 @@ class DraftRunner:
             use_graphs=config.cuda_graphs,
         )
         self.executor = TPExecutor(comm, {"draft_round": self.draft_round})
+        self.graphs = self.greedy_step.warm_up([1]) if config.draft_sampling == "greedy" else 0
 
     def _greedy_next(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_len: int

@@ -57,11 +57,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mc = runner.model.config
     log.info(
-        "target model loaded in %.1fs: %s, vocab %d, context %d",
+        "target model loaded in %.1fs: %s, vocab %d, context %d, %d CUDA graphs",
         time.perf_counter() - t0,
         mc.name,
         mc.vocab_size,
         runner.max_context,
+        runner.graphs,
     )
 
     metrics = ServiceMetrics("target", mc.name, comm_stats=comm_stats)

@@ -44,6 +44,8 @@ class TargetRunner:
             use_graphs=config.cuda_graphs,
         )
         self.executor = TPExecutor(comm, {"prefill": self.prefill, "verify_forward": self.verify_forward})
+        # Plain decoding (width 1) and the default k; other widths are captured on first use.
+        self.graphs = self.verify_step.warm_up(sorted({1, config.num_speculative_tokens + 1}))
 
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_len: int):
         hidden = self.model(input_ids, positions, slots, self.cache, ctx_len)

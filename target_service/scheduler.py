@@ -106,6 +106,7 @@ class Scheduler:
         self.draft_releases: list[int] = []
         self._draft_ids = itertools.count(1)
         self.verify_fn = self._pick_verify_backend()
+        self.phase_seconds = dict.fromkeys(("draft", "forward", "verify", "commit"), 0.0)
         # Labelled series exist from the start, so rate() sees their first increase.
         for pos in range(config.max_speculative_tokens):
             metrics.accepted_at_position(pos)
@@ -294,6 +295,7 @@ class Scheduler:
     def _step(self) -> None:
         self.step_no += 1
         batch = list(self.running)
+        t_start = time.perf_counter()
         proposals = self._proposals(batch)
         vocab = self.runner.model.config.vocab_size
         drafts: list[list[int]] = []
@@ -314,12 +316,26 @@ class Scheduler:
             slots=[r.slot for r in batch],
             width=width,
         )
+        t_forward = time.perf_counter()
         results = self._verify(batch, drafts, sparse, logits, width, vocab)
-        self.metrics.verify_step.observe(time.perf_counter() - t0)
         now = time.perf_counter()
+        self.metrics.verify_step.observe(now - t0)
         for b, req in enumerate(batch):
             out_tokens, accepted = results[b]
             self._commit(req, drafts[b], out_tokens, accepted, now)
+        self._profile(t_start, t0, t_forward, now, time.perf_counter())
+
+    def _profile(self, *marks: float) -> None:
+        """Mean time per step phase, logged at DEBUG every 256 steps (where a step's time goes)."""
+        for i, phase in enumerate(("draft", "forward", "verify", "commit")):
+            self.phase_seconds[phase] += marks[i + 1] - marks[i]
+        if self.step_no % 256 == 0 and log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "mean ms per step over %d steps: %s",
+                256,
+                ", ".join(f"{k} {v / 256 * 1e3:.2f}" for k, v in self.phase_seconds.items()),
+            )
+            self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)
 
     def _verify(self, batch, drafts, sparse, logits: torch.Tensor, width: int, vocab: int):
         """Runs the rejection kernel per q-kind group (one-hot vs sparse top-K); [(tokens, accepted)]."""
