@@ -68,7 +68,7 @@ ACCEPTED, DRAFT_TOKENS, DRAFTS = (
 )
 FALLBACKS, RECONNECTS = "specsplit_spec_fallback_steps_total", "specsplit_draft_reconnects_total"
 HITS, MISSES = "specsplit_draft_ahead_hits_total", "specsplit_draft_ahead_misses_total"
-MODEL = 'model=~"$model"'
+MODEL = 'model=~"$model", service="draft"'  # draft-ahead is counted by the draft only
 
 # Rows of panels. Units are Grafana unit ids. Queries read exported series only (no recording rules), so
 # the dashboard works before the PrometheusRule is installed and the scrape test can check every name.
@@ -109,8 +109,9 @@ ROWS: list[tuple[str, list[dict]]] = [
                 "{{service}} {{op}} {{site}}")],
               "Bytes sent in TP collectives, summed over the ranks that report them."),
         panel("TP bytes per draft token", "bytes",
-              [(per("specsplit_tp_comm_bytes_total", SEL, DRAFT_TOKENS, TARGET, by="model, service"),
-                "{{service}} {{model}}")]),
+              [(f"sum by (model, service) ({rate('specsplit_tp_comm_bytes_total', SEL)})"
+                f" / sum by (model, service) ({rate(DRAFT_TOKENS, SEL)})", "{{service}} {{model}}")],
+              "Each service's TP bytes over the draft tokens it counted (the draft: proposed)."),
         panel("gRPC payload bytes/s", "Bps",
               [(f"sum by (service, direction, kind) ({rate('specsplit_grpc_payload_bytes_total', SEL)})",
                 "{{service}} {{direction}} {{kind}}")]),

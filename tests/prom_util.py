@@ -74,9 +74,11 @@ def wait_ready(base_url: str, proc: subprocess.Popen, log_path: Path, timeout: f
     raise TimeoutError(f"prometheus not ready after {timeout}s:\n{log_path.read_text()[-3000:]}")
 
 
-def query(base_url: str, expr: str) -> list[dict]:
-    """Instant query; returns the API's result vector ([{'metric': {...}, 'value': [ts, 'str']}, ...])."""
-    url = f"{base_url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+def query(base_url: str, expr: str, at: float | None = None) -> list[dict]:
+    """Instant query (at unix time `at`, default now); returns the API's result vector
+    ([{'metric': {...}, 'value': [ts, 'str']}, ...])."""
+    params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+    url = f"{base_url}/api/v1/query?" + urllib.parse.urlencode(params)
     with urllib.request.urlopen(url, timeout=10) as r:
         body = json.load(r)
     if body.get("status") != "success":
@@ -94,3 +96,22 @@ def wait_for_value(base_url: str, expr: str, timeout: float = 30.0) -> float:
             return float(last[0]["value"][1])
         time.sleep(0.5)
     raise TimeoutError(f"{expr!r} gave no single finite value in {timeout}s; last result {last}")
+
+
+def values(base_url: str, expr: str, at: float | None = None) -> dict[frozenset, float]:
+    """Instant query as {frozenset(label items): value}."""
+    return {frozenset(r["metric"].items()): float(r["value"][1]) for r in query(base_url, expr, at)}
+
+
+def wait_until_scraped(base_url: str, expected: dict[str, float], timeout: float = 30.0) -> float:
+    """Polls until every `expr` in `expected` evaluates to exactly its value (a scrape taken after
+    the caller's own scrape has landed); returns the evaluation time of the last poll."""
+    deadline = time.monotonic() + timeout
+    got: dict[str, list[dict]] = {}
+    while time.monotonic() < deadline:
+        got = {expr: query(base_url, expr) for expr in expected}
+        if all(len(r) == 1 and float(r[0]["value"][1]) == want for (expr, want), r in
+               zip(expected.items(), got.values(), strict=True)):  # fmt: skip
+            return max(float(r[0]["value"][0]) for r in got.values())
+        time.sleep(0.2)
+    raise TimeoutError(f"prometheus never showed {expected} in {timeout}s; last {got}")
