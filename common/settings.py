@@ -13,6 +13,7 @@ import dataclasses
 import os
 import types
 import typing
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -97,3 +98,40 @@ def parse_config(cls: type[T], argv: list[str] | None, prog: str, description: s
         except ValueError as exc:
             parser.error(str(exc))
     return config
+
+
+@dataclass
+class ServiceConfig:
+    """Flags both services share; each service's config extends it (and may change a default)."""
+
+    model: str = flag("", "checkpoint directory (Hugging Face layout)")
+    tp_size: int = flag(1, "tensor-parallel ranks for the model")
+    device: str = flag("cpu", "cpu or cuda")
+    dtype: str = flag("float32", "weights and activations dtype", ("float32", "bfloat16", "float16"))
+    host: str = flag("0.0.0.0", "gRPC bind address")
+    port: int = flag(50051, "gRPC port (0 = pick a free one)")
+    metrics_port: int = flag(9400, "Prometheus /metrics port (0 = pick a free one, -1 = off)")
+    max_batch_size: int = flag(32, "concurrent requests (= KV slots)")
+    max_context_length: int = flag(4096, "longest sequence a request may reach (capped by the model's)")
+    cuda_graphs: bool = flag(
+        True, "replay decode steps from CUDA graphs (one per batch/width/context bucket)"
+    )
+    grpc_workers: int = flag(64, "gRPC server threads")
+    auth_token_file: str = flag("", "file holding a bearer token every call must carry")
+    tls_cert: str = flag("", "server certificate (PEM) for TLS")
+    tls_key: str = flag("", "server private key (PEM) for TLS")
+    tls_client_ca: str = flag("", "CA (PEM) for client certificates: turns on mTLS")
+    log_format: str = flag("text", "log lines as text or JSON", ("text", "json"))
+    log_level: str = flag("INFO", "logging level")
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ValueError("--model: a checkpoint directory is required")
+        if self.tp_size < 1:
+            raise ValueError("--tp-size: must be >= 1")
+        if self.max_batch_size < 1:
+            raise ValueError("--max-batch-size: must be >= 1")
+        if self.max_context_length < 2:
+            raise ValueError("--max-context-length: must be >= 2")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device: expected cpu or cuda, got {self.device!r}")

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 
 from common.distributed import comm_stats
-from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
 from common.kv_cache import SlotTable
-from common.lifecycle import install_drain_handler
 from common.logs import setup_logging
-from common.metrics import ServiceMetrics, start_metrics_server
+from common.metrics import ServiceMetrics
+from common.service import build_front, serve_until_drained
 from common.settings import parse_config
 from common.tp_executor import launch_tp
 from draft_service.config import DraftConfig
@@ -68,35 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     servicer.max_target_id = runner.max_target_id()
 
     try:
-        server = make_server(config.grpc_workers, config.auth_token_file or None)
-        draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server)
-        health = add_health_and_reflection(server, [SERVICE_NAME])
-        port = add_port(
-            server,
-            f"{config.host}:{config.port}",
-            config.tls_cert or None,
-            config.tls_key or None,
-            config.tls_client_ca or None,
+        front = build_front(
+            config,
+            SERVICE_NAME,
+            lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
         )
-        metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
     except ValueError as exc:
         log.error("%s", exc)
         return 2
-    server.start()
-    set_health(health, [SERVICE_NAME], serving=True)
-    log.info("ready: grpc port %d, metrics port %d", port, metrics_port)
-    print(f"SPECSPLIT_READY grpc={port} metrics={metrics_port}", flush=True)
-
-    stopped = threading.Event()
+    front.start()
 
     def drain() -> None:
-        set_health(health, [SERVICE_NAME], serving=False)
+        front.set_serving(False)
         # Targets fall back to plain decoding on their own; give open streams a moment.
-        server.stop(grace=5).wait()
-        stopped.set()
+        front.server.stop(grace=5).wait()
 
-    install_drain_handler(drain)
-    stopped.wait()
+    serve_until_drained(drain)
     runner.executor.shutdown()
     for w in workers:
         w.join(timeout=10)

@@ -72,8 +72,12 @@ class DraftRunner:
             use_graphs=config.cuda_graphs,
         )
         self.executor = TPExecutor(comm, {"draft_round": self.draft_round})
+        # One step on the scratch slot: kernels warm, and every collective site exists in the metrics.
+        zeros = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
+        self._greedy_next(zeros, zeros, torch.full((1,), config.max_batch_size, device=self.device), 1)
         self.graphs = self.greedy_step.warm_up([1]) if config.draft_sampling == "greedy" else 0
 
+    @torch.inference_mode()
     def _greedy_next(
         self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_len: int
     ) -> torch.Tensor:

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 import time
 
 from common.distributed import comm_stats
 from common.grpc_util import (
-    add_health_and_reflection,
-    add_port,
     channel_credentials,
-    make_server,
     read_token,
-    set_health,
 )
-from common.lifecycle import install_drain_handler
 from common.logs import setup_logging
-from common.metrics import ServiceMetrics, start_metrics_server
+from common.metrics import ServiceMetrics
+from common.service import build_front, serve_until_drained
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
 from common.tp_executor import launch_tp
@@ -107,17 +102,11 @@ def main(argv: list[str] | None = None) -> int:
             dtype=config.dtype,
         )
         servicer = TargetServicer(config, scheduler, metrics, tokenizer, model_info)
-        server = make_server(config.grpc_workers, config.auth_token_file or None)
-        target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server)
-        health = add_health_and_reflection(server, [SERVICE_NAME])
-        port = add_port(
-            server,
-            f"{config.host}:{config.port}",
-            config.tls_cert or None,
-            config.tls_key or None,
-            config.tls_client_ca or None,
+        front = build_front(
+            config,
+            SERVICE_NAME,
+            lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
         )
-        metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -127,22 +116,12 @@ def main(argv: list[str] | None = None) -> int:
         link.start()
         if not link.wait_connected(timeout=5.0):
             log.warning("draft %s not reachable yet: plain decoding until it is", config.draft_address)
-    server.start()
     servicer.ready = True
-    set_health(health, [SERVICE_NAME], serving=True)
-    log.info(
-        "ready: grpc port %d, metrics port %d, verify backend %s",
-        port,
-        metrics_port,
-        scheduler.verify_backend,
-    )
-    print(f"SPECSPLIT_READY grpc={port} metrics={metrics_port}", flush=True)
-
-    stopped = threading.Event()
+    front.start(f", verify backend {scheduler.verify_backend}")
 
     def drain() -> None:
         scheduler.stop_accepting()
-        set_health(health, [SERVICE_NAME], serving=False)
+        front.set_serving(False)
         deadline = time.monotonic() + config.drain_timeout
         while scheduler.num_active() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -150,11 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             log.warning("drain timeout: aborting %d requests", left)
         scheduler.stop()
-        server.stop(grace=2).wait()
-        stopped.set()
+        front.server.stop(grace=2).wait()
 
-    install_drain_handler(drain)
-    stopped.wait()
+    serve_until_drained(drain)
     if link is not None:
         link.close()
     runner.executor.shutdown()
