@@ -117,26 +117,26 @@ def test_bad_rows_and_draft_ids_are_rejected_with_a_defined_token(temperature):
 
 
 def test_bad_shapes_name_the_tensor():
-    logits = torch.randn(6, 10)
+    logits = torch.randn(6, 10, device=DEVICE)
     ok = dict(
-        draft_token_ids=torch.zeros(2, 2, dtype=torch.long),
-        num_draft_tokens=torch.zeros(2, dtype=torch.int32),
-        temperature=torch.zeros(2),
-        seeds=torch.zeros(2, dtype=torch.long),
-        positions=torch.zeros(2, dtype=torch.long),
+        draft_token_ids=torch.zeros(2, 2, dtype=torch.long, device=DEVICE),
+        num_draft_tokens=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        temperature=torch.zeros(2, device=DEVICE),
+        seeds=torch.zeros(2, dtype=torch.long, device=DEVICE),
+        positions=torch.zeros(2, dtype=torch.long, device=DEVICE),
     )
     verify(logits, **ok)
     for name, bad in [
-        ("num_draft_tokens", torch.zeros(3, dtype=torch.int32)),
-        ("temperature", torch.zeros(2, dtype=torch.float64)),
-        ("seeds", torch.zeros(2, dtype=torch.int32)),
+        ("num_draft_tokens", torch.zeros(3, dtype=torch.int32, device=DEVICE)),
+        ("temperature", torch.zeros(2, dtype=torch.float64, device=DEVICE)),
+        ("seeds", torch.zeros(2, dtype=torch.int32, device=DEVICE)),
     ]:
         with pytest.raises(ValueError, match=name):
             verify(logits, **{**ok, name: bad})
     with pytest.raises(ValueError, match="target_logits"):
-        verify(torch.randn(5, 10), **ok)
+        verify(torch.randn(5, 10, device=DEVICE), **ok)
     with pytest.raises(ValueError, match="draft_topk_probs"):
-        verify(logits, **ok, draft_topk_ids=torch.zeros(2, 2, 3, dtype=torch.long))
+        verify(logits, **ok, draft_topk_ids=torch.zeros(2, 2, 3, dtype=torch.long, device=DEVICE))
 
 
 def test_greedy_first_maximum_across_vocab_chunks(monkeypatch):

@@ -129,7 +129,7 @@ def _split(vocab: int, programs_per_row: int, block: int, max_blocks: int) -> tu
 # program streams whole BLOCKs (16 KiB per block with the defaults: enough loads in flight).
 STATS_PROGRAMS = 4096
 STATS_BLOCK_BYTES = 8192
-STATS_MAX_BLOCKS = 8
+STATS_MAX_BLOCKS = 32
 STATS_WARPS = 8
 SAMPLE_PROGRAMS = 2048
 SAMPLE_BLOCK = 1024
@@ -290,14 +290,13 @@ def _row_stats_kernel(
             for start in range(begin, end, BLOCK):
                 offs = start + lanes
                 raw = tl.load(row_ptr + offs, mask=offs < end, other=neg_inf).to(tl.float32)
-                is_nan = raw != raw
-                bad = bad | (is_nan | (raw == float("inf"))).to(tl.int32)
-                clean = tl.where(is_nan, neg_inf, raw)
+                bad = tl.where(raw != raw, 1, bad)  # NaN (+inf shows up as the max)
                 # Online sum-exp relative to the lane max, one exp per element: the smaller
-                # of (new, old max) is exponentiated against the larger.
-                better = clean > best_v
-                hi = tl.where(better, clean, best_v)
-                lo = tl.where(better, best_v, clean)
+                # of (new, old max) is exponentiated against the larger. NaN is never
+                # `better`, so the argmax reads it as -inf.
+                better = raw > best_v
+                hi = tl.where(better, raw, best_v)
+                lo = tl.where(better, best_v, raw)
                 e = tl.exp2((lo - hi) * scale)
                 e = tl.where(hi == neg_inf, 0.0, e)
                 run_sum = tl.where(better, run_sum * e + 1.0, run_sum + e)
@@ -311,11 +310,10 @@ def _row_stats_kernel(
             for start in range(begin, end, BLOCK):
                 offs = start + lanes
                 raw = tl.load(row_ptr + offs, mask=offs < end, other=neg_inf).to(tl.float32)
-                is_nan = raw != raw
-                bad = bad | (is_nan | (raw == float("inf"))).to(tl.int32)
-                clean = tl.where(is_nan, neg_inf, raw)
-                better = clean > best_v  # a lane's ids grow, so strict > keeps the first maximum
-                best_v = tl.where(better, clean, best_v)
+                bad = tl.where(raw != raw, 1, bad)  # NaN (+inf shows up as the max)
+                # A lane's ids grow, so strict > keeps the first maximum; NaN is never better.
+                better = raw > best_v
+                best_v = tl.where(better, raw, best_v)
                 best_i = tl.where(better, offs, best_i)
             top, top_i = _first_max(best_v, best_i)
             chunk_sum = 0.0
@@ -325,7 +323,7 @@ def _row_stats_kernel(
         tl.store(amax_i_ptr + out, top_i)
         tl.store(max_ptr + out, chunk_max)
         tl.store(sum_ptr + out, chunk_sum)
-        tl.store(bad_ptr + out, tl.max(bad, 0))
+        tl.store(bad_ptr + out, tl.maximum(tl.max(bad, 0), (top == float("inf")).to(tl.int32)))
 
 
 @triton.jit
