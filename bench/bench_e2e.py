@@ -28,7 +28,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.tiny import make_tiny_model
+from common.tiny import make_model_pair
 from specsplit.launch import start_service
 from specsplit.v1 import sampling_pb2, target_pb2, target_pb2_grpc
 
@@ -58,22 +58,11 @@ LATE_LAYER_SCALE = {"qwen1.5b": 0.003, "tiny": 0.1}
 
 
 def make_models(root: Path, preset: str) -> tuple[Path, Path]:
-    p = dict(PRESETS[preset])
-    draft_layers = p.pop("draft_layers")
-    target, draft = root / f"{preset}-target", root / f"{preset}-draft"
-    if not (target / "config.json").exists():
-        make_tiny_model(
-            target,
-            seed=0,
-            late_layer_scale=0.1,
-            late_layers_from=draft_layers,
-            max_position_embeddings=4096,
-            **p,
-        )
-    if not (draft / "config.json").exists():
-        p["num_layers"] = draft_layers
-        make_tiny_model(draft, seed=1, base=target, share_layers=draft_layers, **p)
-    return target, draft
+    shape = dict(PRESETS[preset])
+    draft_layers, target_layers = shape.pop("draft_layers"), shape.pop("num_layers")
+    return make_model_pair(root / f"{preset}-target", root / f"{preset}-draft", draft_layers=draft_layers,
+                           target_layers=target_layers, late_layer_scale=LATE_LAYER_SCALE[preset],
+                           max_position_embeddings=4096, **shape)  # fmt: skip
 
 
 def one(stub, ids: list[int], n: int, k: int) -> dict:

@@ -235,6 +235,28 @@ def _copy_from_base(tensors, base_tensors, base_cfg, share_layers: int, draft_id
                 tensors[name] = t.float()
 
 
+def make_model_pair(
+    target: Path,
+    draft: Path,
+    *,
+    draft_layers: int,
+    target_layers: int,
+    late_layer_scale: float,
+    markov_rank: int = 0,
+    **shape,
+) -> tuple[Path, Path]:
+    """A target and a draft made of its first `draft_layers` layers (plus its embeddings and head), each
+    written once. The target's later layers are damped by `late_layer_scale` so that the draft agrees
+    with it often: random weights have no language for a draft to learn."""
+    if not (target / "config.json").exists():
+        make_tiny_model(target, seed=0, num_layers=target_layers, late_layer_scale=late_layer_scale,
+                        late_layers_from=draft_layers, **shape)  # fmt: skip
+    if not (draft / "config.json").exists():
+        make_tiny_model(draft, seed=1, num_layers=draft_layers, base=target, share_layers=draft_layers,
+                        markov_rank=markov_rank, **shape)  # fmt: skip
+    return target, draft
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specsplit make-tiny-model", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="output directory")

@@ -26,23 +26,13 @@ DEFAULT_PROMPT = "Speculative decoding splits one model into a fast guess and a 
 
 
 def make_demo_models(root: Path, markov_rank: int = 0) -> tuple[Path, Path]:
-    """A 6-layer target and a 1-layer draft sharing its embeddings, head and first layer.
+    """A 6-layer target and a 1-layer draft sharing its embeddings, head and first layer."""
+    from common.tiny import make_model_pair
 
-    The target's later layers write small updates to the residual stream, so the
-    draft agrees with it often enough to show speculation at work.
-    """
-    from common.tiny import make_tiny_model
-
-    target = root / "target"
     draft = root / (f"draft-markov{markov_rank}" if markov_rank else "draft")
     shape = dict(vocab_size=512, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
-    if not (target / "config.json").exists():
-        make_tiny_model(target, seed=0, num_layers=6, late_layer_scale=0.1, late_layers_from=1, **shape)
-    if not (draft / "config.json").exists():
-        make_tiny_model(
-            draft, seed=1, num_layers=1, base=target, share_layers=1, markov_rank=markov_rank, **shape
-        )
-    return target, draft
+    return make_model_pair(root / "target", draft, draft_layers=1, target_layers=6, late_layer_scale=0.1,
+                           markov_rank=markov_rank, **shape)  # fmt: skip
 
 
 def generate(stub, prompt: str, max_new_tokens: int, k: int | None, echo: bool) -> dict:
