@@ -132,12 +132,9 @@ def main() -> None:
 
 # (STATS_BLOCK_BYTES, STATS_WARPS, STATS_MAX_BLOCKS, STATS_PROGRAMS)
 TUNE_GRID = [
-    (8192, 8, 32, 4096),
     (4096, 4, 32, 4096),
-    (16384, 16, 16, 4096),
-    (8192, 8, 64, 2048),
-    (8192, 8, 16, 8192),
-    (4096, 4, 64, 8192),
+    (8192, 8, 32, 4096),
+    (2048, 4, 64, 4096),
 ]
 
 
@@ -159,7 +156,29 @@ def tune(args) -> None:
                     row.update(us=round(ms * 1e3, 1), bw_frac=round(nbytes / (ms * 1e-3) / copy_bw, 3))
                     results.append(row)
                     print(json.dumps(row), flush=True)
+    # The one-row Gumbel pass: (SAMPLE_BLOCK, SAMPLE_WARPS, SAMPLE_MAX_BLOCKS, SAMPLE_PROGRAMS).
+    for block, warps, max_blocks, programs in SAMPLE_GRID:
+        rejection.SAMPLE_BLOCK, rejection.SAMPLE_WARPS = block, warps
+        rejection.SAMPLE_MAX_BLOCKS, rejection.SAMPLE_PROGRAMS = max_blocks, programs
+        for mode in ("sampled", "sampled_topk"):
+            for batch in [b for b in args.tune_batch if b > 1]:
+                kw = make_inputs(mode, batch, args.max_k, args.vocab, torch.float32, args.topk)
+                ms = time_call(lambda kw=kw: verify(**kw), batch <= args.graph_max_batch)
+                row = dict(sample_block=block, warps=warps, max_blocks=max_blocks, programs=programs)
+                row.update(mode=mode, dtype="float32", batch=batch, us=round(ms * 1e3, 1))
+                results.append(row)
+                print(json.dumps(row), flush=True)
     Path(args.out).write_text(json.dumps(dict(copy_bw_bytes_per_s=copy_bw, results=results), indent=2))
+
+
+SAMPLE_GRID = [
+    (1024, 4, 16, 2048),
+    (2048, 8, 16, 2048),
+    (1024, 4, 64, 512),
+    (512, 4, 16, 4096),
+    (2048, 4, 8, 4096),
+    (1024, 2, 16, 2048),
+]
 
 
 def markdown_table(meta: dict, results: list[dict]) -> str:

@@ -126,11 +126,11 @@ def _split(vocab: int, programs_per_row: int, block: int, max_blocks: int) -> tu
 
 # Launch parameters (bench/bench_rejection.py --tune sweeps them on the GPU; docs/kernels.md).
 # The stats pass aims for ~STATS_PROGRAMS programs so that B = 1 still fills the GPU; each
-# program streams whole BLOCKs (16 KiB per block with the defaults: enough loads in flight).
+# program streams whole BLOCKs of 4 KiB (the H200 sweep in docs/kernels.md picked these).
 STATS_PROGRAMS = 4096
-STATS_BLOCK_BYTES = 8192
+STATS_BLOCK_BYTES = 4096
 STATS_MAX_BLOCKS = 32
-STATS_WARPS = 8
+STATS_WARPS = 4
 SAMPLE_PROGRAMS = 2048
 SAMPLE_BLOCK = 1024
 SAMPLE_MAX_BLOCKS = 16
@@ -141,7 +141,7 @@ def stats_config(rows: int, vocab: int, elem_bytes: int) -> tuple[int, int, int,
     """(BLOCK, CHUNK, NUM_CHUNKS, num_warps) of the stats pass over [rows, vocab] logits."""
     block = min(STATS_BLOCK_BYTES // elem_bytes, triton.next_power_of_2(vocab))
     chunk, num_chunks = _split(vocab, triton.cdiv(STATS_PROGRAMS, rows), block, STATS_MAX_BLOCKS)
-    return block, chunk, num_chunks, STATS_WARPS if block >= 1024 else 2
+    return block, chunk, num_chunks, STATS_WARPS if block >= 512 else 2
 
 
 def sample_config(batch: int, vocab: int, elem_bytes: int) -> tuple[int, int, int, int]:
