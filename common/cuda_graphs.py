@@ -44,8 +44,12 @@ class StaticStep:
         device: torch.device,
         use_graphs: bool,
         min_ctx: int = 256,
+        copy_output: bool = True,
     ):
         self.fn = fn
+        # A replay overwrites the previous output in place: return a copy unless the caller consumes the
+        # output before the next call (the target's logits, read by the rejection kernel at once).
+        self.copy_output = copy_output
         self.device = device
         self.scratch_slot = scratch_slot
         self.batch_buckets = buckets(max_batch)
@@ -119,7 +123,8 @@ class StaticStep:
         self._fill(static, input_ids, positions, slots)
         graph.replay()
         add_comm_stats(per_replay)
-        return self._real_rows(out, batch, width, padded)
+        rows = self._real_rows(out, batch, width, padded)
+        return rows.clone() if self.copy_output else rows
 
     def _fill(self, static: dict[str, Tensor], input_ids: Tensor, positions: Tensor, slots: Tensor) -> None:
         batch, width = input_ids.shape

@@ -42,6 +42,7 @@ class TargetRunner:
             scratch_slot=config.max_batch_size,
             device=self.device,
             use_graphs=config.cuda_graphs,
+            copy_output=False,  # the logits are consumed by verify() before the next step
         )
         self.executor = TPExecutor(comm, {"prefill": self.prefill, "verify_forward": self.verify_forward})
         # One forward on the scratch slot: kernels warm, and every collective site exists in the metrics.

@@ -44,6 +44,7 @@ def test_padded_steps_match_eager_and_leave_other_slots_alone(model):
     step = StaticStep(logits(static_cache), max_batch, max_len, scratch, DEVICE, use_graphs=True, min_ctx=32)
     gen = torch.Generator().manual_seed(0)
     lengths = [0] * max_batch
+    previous = None
     for round_ in range(6):
         # Slots in use change from call to call (5 rows, then 3, ...): a padded row must never write
         # into a real slot left over from a bigger earlier call.
@@ -55,6 +56,9 @@ def test_padded_steps_match_eager_and_leave_other_slots_alone(model):
         got = step(batch.input_ids, batch.positions, batch.slots, batch.ctx_len)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        if previous is not None:  # an output must survive the next replay (it is a copy)
+            torch.testing.assert_close(previous[0], previous[1], rtol=0, atol=0)
+        previous = (got, got.clone())
         for s in slots:
             lengths[s] += width
         for s in range(max_batch):  # every real slot's valid KV agrees with the eager cache
