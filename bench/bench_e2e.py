@@ -53,8 +53,9 @@ PRESETS = {
         draft_layers=1,
     ),
 }
-# Damping of the target's layers past the draft's: deep random stacks drift far from their first layers.
-LATE_LAYER_SCALE = {"qwen1.5b": 0.003, "tiny": 0.1}
+# Damping of the target's layers past the draft's. At 0.02 the 1.5B pair agrees on 88% of greedy next tokens
+# (teacher-forced, measured on CPU): about what a good trained draft reaches on real text.
+LATE_LAYER_SCALE = {"qwen1.5b": 0.02, "tiny": 0.1}
 
 
 def make_models(root: Path, preset: str) -> tuple[Path, Path]:
