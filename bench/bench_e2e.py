@@ -120,6 +120,35 @@ def step_times(draft, target) -> list[float]:
     ]
 
 
+def divergence_margins(target_dir: Path, device: str, mismatches) -> list[dict]:
+    """For each spec/plain pair that differs: the target's top-2 logit gap at the first differing token,
+    computed alone (B=1, eager) on the common prefix. A gap at the dtype's rounding level is a near-tie."""
+    import torch
+
+    from common.distributed import init_tp
+    from common.kv_cache import KVCache
+    from common.loader import load_model
+    from common.models.generate import forward_rows
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    out = []
+    for dtype in sorted({m[0] for m in mismatches}):
+        model = load_model(target_dir, init_tp(1, 0, device=torch.device(device)), device=device,
+                           dtype=dtypes[dtype])  # fmt: skip
+        for _, prompt, spec, plain in (m for m in mismatches if m[0] == dtype):
+            j = next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)
+            context = prompt + plain[:j]
+            cache = KVCache.for_model(model, 1, len(context) + 1)
+            with torch.inference_mode():
+                hidden = forward_rows(model, cache, [0], [0], [context])[0, -1:]
+                top2 = model.compute_logits(hidden)[0].topk(2)
+            out.append({"dtype": dtype, "position": j, "spec_token": spec[j], "plain_token": plain[j],
+                        "top2_ids": top2.indices.tolist(), "top2_gap": float(top2.values[0] - top2.values[1]),
+                        "top1_logit": float(top2.values[0])})  # fmt: skip
+        del model
+    return out
+
+
 def ideal_speedup(alpha: float, k: int, c: float) -> float:
     return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) if alpha < 1 else (k + 1) / (k * c + 1)
 
@@ -148,6 +177,7 @@ def main() -> int:
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
     logs = Path(tempfile.mkdtemp(prefix="specsplit-bench-"))
     rows = []
+    mismatches: list[tuple[str, list[int], list[int], list[int]]] = []
     for dtype in args.dtypes:
         common = ["--device", args.device, "--dtype", dtype]
         draft = start_service(
@@ -208,6 +238,11 @@ def main() -> int:
                     "fallback_steps": fallbacks,
                 }
                 rows.append(row)
+                mismatches += [
+                    (dtype, prompts[i], a, b)
+                    for i, (a, b) in enumerate(zip(spec["ids"], plain["ids"]))
+                    if a != b
+                ]
                 print(json.dumps(row), flush=True)
         finally:
             target.stop()
@@ -228,10 +263,14 @@ def main() -> int:
             f"| {r['tokens_per_s_spec']:.0f} | {r['speedup']:.2f}x | {r['acceptance']:.2f} "
             f"| {r['mean_accepted']:.2f} | {r['cost_ratio_c']:.2f} | {r['ideal_speedup']:.2f}x |"
         )
+    margins = divergence_margins(target_dir, args.device, mismatches) if mismatches else []
+    for m in margins:
+        print(f"divergence ({m['dtype']}) at token {m['position']}: spec {m['spec_token']} vs plain "
+              f"{m['plain_token']}; target alone: top-2 {m['top2_ids']}, gap {m['top2_gap']:.4g} at logit "
+              f"{m['top1_logit']:.4g}")  # fmt: skip
     if args.out:
-        args.out.write_text(
-            json.dumps({"preset": args.preset, "device": args.device, "rows": rows}, indent=2)
-        )
+        result = {"preset": args.preset, "device": args.device, "rows": rows, "divergences": margins}
+        args.out.write_text(json.dumps(result, indent=2))
     return 0
 
 
