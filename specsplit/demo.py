@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -35,7 +36,9 @@ def make_demo_models(root: Path, markov_rank: int = 0) -> tuple[Path, Path]:
                            markov_rank=markov_rank, **shape)  # fmt: skip
 
 
-def generate(stub, prompt: str, max_new_tokens: int, k: int | None, echo: bool) -> dict:
+def generate(
+    stub: target_pb2_grpc.TargetServiceStub, prompt: str, max_new_tokens: int, k: int | None, echo: bool
+) -> dict[str, Any]:
     req = target_pb2.GenerateRequest(
         text=prompt,
         max_new_tokens=max_new_tokens,

@@ -28,7 +28,7 @@ def free_port() -> int:
 @dataclass
 class ServiceProcess:
     module: str  # "draft_service" or "target_service"
-    popen: subprocess.Popen
+    popen: subprocess.Popen[bytes]
     port: int
     metrics_port: int
     log: Path
