@@ -28,6 +28,11 @@ from common.loader import load_model
 from common.models.generate import greedy_generate
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def hf_generate(model, prompt: list[int], n: int, assistant=None, k: int = 4) -> tuple[list[int], float]:
     ids = torch.tensor([prompt], device=model.device)
     kw = {}
@@ -35,11 +40,11 @@ def hf_generate(model, prompt: list[int], n: int, assistant=None, k: int = 4) ->
         assistant.generation_config.num_assistant_tokens = k
         assistant.generation_config.num_assistant_tokens_schedule = "constant"
         kw["assistant_model"] = assistant
-    torch.cuda.synchronize()
+    sync(model.device)
     t0 = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                          do_sample=False, pad_token_id=0, **kw)  # fmt: skip
-    torch.cuda.synchronize()
+    sync(model.device)
     return out[0, len(prompt) :].tolist(), time.perf_counter() - t0
 
 
@@ -77,7 +82,6 @@ def main() -> int:
     result["fp32_identical_to_hf"] = f"{same}/{len(prompts)}"
     print(f"fp32 greedy, HF vs specsplit model: {same}/{len(prompts)} sequences identical", flush=True)
     del hf, ours
-    torch.cuda.empty_cache()
 
     # 2. HF speed in bf16, plain and assisted, batch 1.
     hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).to(args.device).eval()
