@@ -27,7 +27,7 @@ ARCHS = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
-    ),  # fmt: skip
+    ),
 }
 
 
