@@ -49,7 +49,7 @@ class DraftRunner:
             use_local_argmax_reduction=config.use_local_argmax_reduction
             and config.draft_sampling == "greedy",
             draft_sampling=config.draft_sampling,
-            progress=comm.rank == 0,
+            progress=comm.rank == 0 and config.log_format == "text",
         )
         mc = self.model.config
         # Room for the drafted tokens and a draft-ahead round past the context limit.

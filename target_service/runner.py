@@ -20,7 +20,11 @@ class TargetRunner:
         self.config = config
         self.device = rank_device(config.device, comm.rank)
         self.model = load_model(
-            config.model, comm, device=self.device, dtype=DTYPES[config.dtype], progress=comm.rank == 0
+            config.model,
+            comm,
+            device=self.device,
+            dtype=DTYPES[config.dtype],
+            progress=comm.rank == 0 and config.log_format == "text",
         )
         mc = self.model.config
         self.max_context = min(config.max_context_length, mc.max_position_embeddings)
