@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 from collections.abc import Callable
@@ -75,6 +76,13 @@ class TPExecutor:
 WorkerEntry = Callable[[Comm, Any], TPExecutor]
 
 
+def _leave_signals_to_rank0() -> None:
+    """SIGTERM/SIGINT reach every rank (torchrun forwards them, Ctrl-C hits the process group). Rank 0
+    drains and then broadcasts the shutdown; a rank that died first would break its last collectives."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -85,6 +93,7 @@ def _worker_main(
     entry_arg: Any,
 ) -> None:
     os.environ.update(NO_MULTICAST_ENV)
+    _leave_signals_to_rank0()
     logging.basicConfig(level=logging.WARNING)
     comm = init_tp(
         world_size, rank, backend=backend, init_method=init_method, device=rank_device(device, rank)
@@ -117,6 +126,7 @@ def launch_tp(
             raise ValueError(f"--tp-size {world_size} but torchrun started WORLD_SIZE={world}")
         comm = init_tp(world, rank, backend=backend, init_method="env://", device=rank_device(device, rank))
         if rank != 0:
+            _leave_signals_to_rank0()
             entry(comm, entry_arg).serve_forever()
             raise SystemExit(0)
         return comm, []

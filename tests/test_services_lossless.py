@@ -7,9 +7,14 @@ from a one-position verify, i.e. the target alone). Greedy comparisons are exact
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from service_util import generate_many, prompts, request, start_draft, start_target
+
+from specsplit.launch import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -145,3 +150,33 @@ def test_target_tp2_lossless_and_json_logs(demo_models, tmp_path):
     assert any(m.startswith("ready:") for m in messages), messages
     assert any(m.startswith("draft connected") for m in messages), messages
     assert all({"ts", "level", "logger", "msg"} <= r.keys() for r in records)
+
+
+def test_draft_tp2_started_by_torchrun(demo_models, tmp_path):
+    """`torchrun --nproc-per-node 2 -m draft_service`: every rank joins through the environment, rank 0
+    serves; speculation through it stays lossless."""
+    port, metrics_port = free_port(), free_port()
+    log = tmp_path / "torchrun-draft.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "draft_service", "--model", str(demo_models.draft), "--tp-size", "2",
+           "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port)]  # fmt: skip
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"}
+        )
+    draft = ServiceProcess("draft_service", popen, port, metrics_port, log).wait_ready()
+    target = start_target(demo_models.target, tmp_path, draft).wait_ready()
+    try:
+        ps = prompts(6, seed=6)
+        plain = generate_many(target.address, [request(p, k=0) for p in ps], 6)
+        spec = generate_many(target.address, [request(p) for p in ps], 6)
+        assert_same(spec, plain)
+        assert sum(r.usage.accepted_tokens for r in spec) > 0
+        assert draft.metric("specsplit_service_info", tp_size="2") == 1
+    finally:
+        target.stop()
+        draft.stop()
+    # torchrun itself exits non-zero when signalled, but rank 0 drained and stopped its workers cleanly.
+    text = draft.log_text()
+    assert "draft INFO stopped" in text, text[-3000:]
+    assert "[rank1]" not in text and "Connection reset" not in text, text[-3000:]
