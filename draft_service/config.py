@@ -25,6 +25,11 @@ class DraftConfig(ServiceConfig):
     max_batch_size: int = flag(64, "draft KV slots (concurrent requests over all targets)")
     grpc_workers: int = flag(16, "gRPC server threads (one per open target stream)")
     draft_ahead: bool = flag(True, "draft round r+1 while the target verifies round r")
+    draft_ahead_min_hit_rate: float = flag(
+        0.15,
+        "pause draft-ahead while its recent hit rate is below this (it is re-tried every "
+        "16 rounds); 0 = always draft ahead",
+    )
 
     def validate(self) -> None:
         super().validate()

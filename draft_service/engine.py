@@ -211,6 +211,10 @@ class DraftState:
         self.runner = runner
         self.slots = slots
         self.ahead_hits = 0
+        # Draft-ahead pays off only when whole rounds plus the bonus guess are right; on shared hardware a
+        # miss costs the target time. Track the recent hit rate and pause below the threshold.
+        self.ahead_hit_rate = 1.0
+        self.rounds_without_ahead = 0
         self.ahead_misses = 0
         self.draft_tokens = 0
 
@@ -235,6 +239,7 @@ class DraftState:
                 self.ahead_hits += 1
             else:
                 self.ahead_misses += 1
+            self.ahead_hit_rate = 0.9 * self.ahead_hit_rate + 0.1 * float(hit)
         req.ahead, req.ahead_expect = None, None
         if req.ready is not None and hit is None:
             req.ready = None
@@ -282,6 +287,17 @@ class DraftState:
                 out[req.request_id] = Proposal(tokens, ids, probs)
         self.draft_tokens += sum(len(p.tokens) for p in out.values())
         return out
+
+    AHEAD_PROBE_EVERY = 16
+
+    def ahead_worthwhile(self, min_hit_rate: float) -> bool:
+        """Draft ahead while the recent hit rate is at least `min_hit_rate`; otherwise only every 16th
+        round, to notice when it would pay again."""
+        if self.ahead_hit_rate >= min_hit_rate or self.rounds_without_ahead >= self.AHEAD_PROBE_EVERY:
+            self.rounds_without_ahead = 0
+            return True
+        self.rounds_without_ahead += 1
+        return False
 
     def draft_ahead(self, reqs: list[DraftRequest], proposals: dict[int, Proposal]) -> None:
         """Assume every proposal is accepted plus the draft's own bonus guess; draft the next round."""

@@ -129,7 +129,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.metrics.count_grpc_message("sent", "speculate_response", response.ByteSize())
                 yield response
                 # Draft-ahead runs while the target verifies, unless the next step is already here.
-                if self.config.draft_ahead and proposed and inbox.empty():
+                if (
+                    self.config.draft_ahead
+                    and proposed
+                    and inbox.empty()
+                    and self.state.ahead_worthwhile(self.config.draft_ahead_min_hit_rate)
+                ):
                     with self.engine_lock:
                         t0 = time.perf_counter()
                         self.state.draft_ahead(*proposed)

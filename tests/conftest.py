@@ -20,6 +20,6 @@ class DemoModels:
 @pytest.fixture(scope="session")
 def demo_models(tmp_path_factory: pytest.TempPathFactory) -> DemoModels:
     root = tmp_path_factory.mktemp("models")
-    target, draft = make_demo_models(root)
-    _, markov_draft = make_demo_models(root, markov_rank=8)
+    target, draft = make_demo_models(root, size="small")
+    _, markov_draft = make_demo_models(root, markov_rank=8, size="small")
     return DemoModels(target, draft, markov_draft)
