@@ -44,7 +44,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.max_target_id = -1
 
     # -- helpers -------------------------------------------------------------
-    def _update_gauges(self, live: int) -> None:
+    def _update_gauges(self) -> None:
         self.metrics.kv_slots_used.set(self.state.slots.num_used)
         self.metrics.running.set(self.state.slots.num_used)
 
@@ -143,7 +143,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             with self.engine_lock:
                 for req in reqs.values():
                     self.state.release(req)
-                self._update_gauges(0)
+                self._update_gauges()
             self.streams -= 1
             log.info("target stream closed (%s), %d open", context.peer(), self.streams)
 
@@ -179,7 +179,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.metrics.draft_step.observe(elapsed)
             self.metrics.drafts.inc(sum(1 for p in proposals.values() if p.tokens))
             self.metrics.draft_tokens.inc(sum(len(p.tokens) for p in proposals.values()))
-        self._update_gauges(len(reqs))
+        self._update_gauges()
         response = draft_pb2.SpeculateResponse(
             step=msg.step,
             proposals=[self._to_pb(rid, p) for rid, p in proposals.items()],

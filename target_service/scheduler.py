@@ -297,7 +297,6 @@ class Scheduler:
         batch = list(self.running)
         t_start = time.perf_counter()
         proposals = self._proposals(batch)
-        vocab = self.runner.model.config.vocab_size
         drafts: list[list[int]] = []
         sparse: list[tuple[list[int], list[float], int] | None] = []
         for req in batch:
@@ -317,7 +316,7 @@ class Scheduler:
             width=width,
         )
         t_forward = time.perf_counter()
-        results = self._verify(batch, drafts, sparse, logits, width, vocab)
+        results = self._verify(batch, drafts, sparse, logits, width)
         now = time.perf_counter()
         self.metrics.verify_step.observe(now - t0)
         for b, req in enumerate(batch):
@@ -337,7 +336,7 @@ class Scheduler:
             )
             self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)
 
-    def _verify(self, batch, drafts, sparse, logits: torch.Tensor, width: int, vocab: int):
+    def _verify(self, batch, drafts, sparse, logits: torch.Tensor, width: int):
         """Runs the rejection kernel per q-kind group (one-hot vs sparse top-K); [(tokens, accepted)]."""
         device = logits.device
         logits = logits.view(len(batch), width, -1)
