@@ -4,93 +4,23 @@ connection (a server coming up late) or sever every connection (a server dying m
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from service_util import start_draft, start_target, wait_for
 
-from specsplit import Client, SpecSplitError, TLSConfig
+from specsplit import TLSConfig
+from specsplit.launch import REPO, ServiceProcess
+from specsplit.launch import free_port as free_port  # re-exported for the tests that use this module
 
-REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 120.0
 AUTH_TOKEN = "sdk-test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Service:
-    name: str
-    process: subprocess.Popen[bytes]
-    port: int
-    metrics_port: int
-    log: Path
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def metric(self, name: str, **labels: str) -> float:
-        """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as response:
-            text = response.read().decode()
-        return sum(
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
-        )
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def _spawn(name: str, args: list[str], log_dir: Path, port: int, metrics_port: int) -> Service:
-    log = log_dir / f"{name}.log"
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env
-        )
-    return Service(name, process, port, metrics_port, log)
-
-
-def wait_serving(service: Service, tls: TLSConfig | None = None) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    with Client(service.address, tls=tls, retry=None, timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if service.process.poll() is not None:
-                raise RuntimeError(
-                    f"{service.name} exited ({service.process.returncode}):\n{service.log.read_text()}"
-                )
-            try:
-                if client.health("") == "SERVING":
-                    return
-            except SpecSplitError:
-                pass
-            time.sleep(0.2)
-    service.stop()
-    raise RuntimeError(f"{service.name} not SERVING after {STARTUP_TIMEOUT_S} s:\n{service.log.read_text()}")
 
 
 def _openssl(*args: str) -> None:
@@ -111,6 +41,19 @@ class Certificates:
         if with_client_cert:
             return TLSConfig.from_files(self.ca, self.client_cert, self.client_key)
         return TLSConfig.from_files(self.ca)
+
+    def server_args(self, auth_token_file: Path) -> list[str]:
+        """A service's flags for mTLS with these certificates plus a bearer token."""
+        return [
+            "--tls-cert",
+            str(self.server_cert),
+            "--tls-key",
+            str(self.server_key),
+            "--tls-client-ca",
+            str(self.ca),
+            "--auth-token-file",
+            str(auth_token_file),
+        ]
 
 
 def make_certificates(directory: Path) -> Certificates:
@@ -167,9 +110,9 @@ def make_certificates(directory: Path) -> Certificates:
 @dataclass
 class Stack:
     model: Path
-    draft: Service
-    target: Service
-    secure_target: Service
+    draft: ServiceProcess
+    target: ServiceProcess
+    secure_target: ServiceProcess
     certs: Certificates
     auth_token_file: Path
 
@@ -187,69 +130,15 @@ def sdk_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     token_file = root / "token"
     token_file.write_text(AUTH_TOKEN + "\n")
 
-    draft_port, target_port, secure_port = free_port(), free_port(), free_port()
-    draft = _spawn(
-        "draft",
-        [
-            "-m",
-            "draft_service",
-            "--model",
-            str(draft_model),
-            "--port",
-            str(draft_port),
-            "--metrics-port",
-            "0",
-            "--device",
-            "cpu",
-        ],
-        root,
-        draft_port,
-        0,
-    )
-    target_args = [
-        "-m",
-        "target_service",
-        "--model",
-        str(model),
-        "--draft-address",
-        f"127.0.0.1:{draft_port}",
-    ]
-    target_metrics, secure_metrics = free_port(), free_port()
-    target = _spawn(
-        "target",
-        [*target_args, "--port", str(target_port), "--metrics-port", str(target_metrics)],
-        root,
-        target_port,
-        target_metrics,
-    )
-    secure = _spawn(
-        "secure-target",
-        [
-            *target_args,
-            "--port",
-            str(secure_port),
-            "--metrics-port",
-            str(secure_metrics),
-            "--tls-cert",
-            str(certs.server_cert),
-            "--tls-key",
-            str(certs.server_key),
-            "--tls-client-ca",
-            str(certs.ca),
-            "--auth-token-file",
-            str(token_file),
-            "--max-queued-requests",
-            "1",
-        ],
-        root,
-        secure_port,
-        secure_metrics,
+    draft = start_draft(draft_model, root, "--device", "cpu")
+    target = start_target(model, root, draft)
+    secure = start_target(
+        model, root, draft, *certs.server_args(token_file), "--max-queued-requests", "1", name="secure-target"
     )
     services = [draft, target, secure]
     try:
-        wait_serving(draft)
-        wait_serving(target)
-        wait_serving(secure, certs.client_tls())
+        for service in services:
+            service.wait_ready(STARTUP_TIMEOUT_S)
         yield Stack(model, draft, target, secure, certs, token_file)
     finally:
         for service in reversed(services):
@@ -328,10 +217,5 @@ class TCPProxy:
         self.sever()
 
 
-def wait_until(predicate: object, timeout_s: float = 10.0, what: str = "condition") -> None:
-    assert callable(predicate)
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    wait_for(predicate, timeout_s, what)

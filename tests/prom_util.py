@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,11 +15,7 @@ from pathlib import Path
 
 import yaml
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from specsplit.launch import free_port
 
 
 @contextlib.contextmanager

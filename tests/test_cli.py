@@ -27,6 +27,13 @@ def specsplit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[s
     )
 
 
+def generate(target: str, max_new_tokens: int, *more: str) -> subprocess.CompletedProcess[str]:
+    """`specsplit generate` of PROMPT's token ids."""
+    return specsplit(
+        "generate", "--target", target, "--token-ids", PROMPT, "--max-new-tokens", str(max_new_tokens), *more
+    )
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
     assert result.returncode != 0, result.stdout
     assert "Traceback" not in result.stderr
@@ -39,16 +46,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
 def test_generate_streams_ids_and_a_stats_line(sdk_stack: Stack) -> None:
     with Client(sdk_stack.target.address) as c:
         expected = c.generate([3, 14, 15, 92, 65], max_new_tokens=12, ignore_eos=True).token_ids
-    result = specsplit(
-        "generate",
-        "--target",
-        sdk_stack.target.address,
-        "--token-ids",
-        PROMPT,
-        "--max-new-tokens",
-        "12",
-        "--ignore-eos",
-    )
+    result = generate(sdk_stack.target.address, 12, "--ignore-eos")
     assert result.returncode == 0, result.stderr
     assert [int(t) for t in result.stdout.split()] == expected
     stats = result.stderr.strip()
@@ -56,15 +54,10 @@ def test_generate_streams_ids_and_a_stats_line(sdk_stack: Stack) -> None:
 
 
 def test_generate_json(sdk_stack: Stack) -> None:
-    result = specsplit(
-        "generate",
-        "--target",
+    result = generate(
         sdk_stack.target.address,
-        "--token-ids",
-        PROMPT,
+        6,
         "--json",
-        "--max-new-tokens",
-        "6",
         "--ignore-eos",
         "--request-id",
         "cli-json",
@@ -96,43 +89,11 @@ def test_info_and_health(sdk_stack: Stack) -> None:
 
 def test_errors_are_one_line_and_non_zero(sdk_stack: Stack) -> None:
     target = sdk_stack.target.address
-    assert_one_line_error(
-        specsplit("generate", "--target", target, "--token-ids", PROMPT, "--max-new-tokens", "0"),
-        "invalid_argument",
-        "max_new_tokens",
-    )
-    assert_one_line_error(
-        specsplit(
-            "generate",
-            "--target",
-            target,
-            "--token-ids",
-            PROMPT,
-            "--max-new-tokens",
-            "100000",
-            "--timeout",
-            "0.2",
-            "--ignore-eos",
-        ),
-        "max_new_tokens",
-    )
+    assert_one_line_error(generate(target, 0), "invalid_argument", "max_new_tokens")
+    assert_one_line_error(generate(target, 100000, "--timeout", "0.2", "--ignore-eos"), "max_new_tokens")
     with Client(target) as c:
-        long = str(c.model_info().max_context_length - 5)
-    assert_one_line_error(
-        specsplit(
-            "generate",
-            "--target",
-            target,
-            "--token-ids",
-            PROMPT,
-            "--max-new-tokens",
-            long,
-            "--timeout",
-            "0.3",
-            "--ignore-eos",
-        ),
-        "deadline_exceeded",
-    )
+        long = c.model_info().max_context_length - 5
+    assert_one_line_error(generate(target, long, "--timeout", "0.3", "--ignore-eos"), "deadline_exceeded")
     assert_one_line_error(specsplit("generate", "--target", target, "--token-ids", "1,x"), "--token-ids")
     # The secure target wants TLS with a client certificate and a token.
     secure = [

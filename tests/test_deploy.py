@@ -4,27 +4,18 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+from tools import need
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 VENV_BIN = ROOT / ".venv" / "bin"
 K8S_VERSION = "1.32.0"  # the oldest version we support: native gRPC probes GA, preStop sleep on by default
 OVERLAYS = ("cpu-dev", "gpu")
-
-
-def need(tool: str, path: Path | None = None) -> str:
-    found = str(path) if path is not None and path.exists() else shutil.which(tool)
-    if found is None:
-        if os.environ.get("SPECSPLIT_CI"):
-            pytest.fail(f"{tool} is required in CI (scripts/ci_deps.sh installs it)")
-        pytest.skip(f"{tool} not installed (run scripts/ci_deps.sh)")
-    return found
 
 
 def run(*cmd: str) -> subprocess.CompletedProcess:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import shutil
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -17,18 +15,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.metrics import ServiceMetrics, start_metrics_server
+from tests.tools import need
 
 ROOT = Path(__file__).resolve().parents[1]
-IN_CI = bool(os.environ.get("SPECSPLIT_CI"))
-
-
-def need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        if IN_CI:
-            pytest.fail(f"{tool} is required in CI (scripts/ci_deps.sh installs it)")
-        pytest.skip(f"{tool} not installed (run scripts/ci_deps.sh)")
-    return path
 
 
 def load_generator():

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import subprocess
 import time
 import urllib.request
@@ -25,9 +24,9 @@ import yaml
 from specsplit.launch import Samples, ServiceProcess, metric_sum
 from tests.prom_util import query, start_prometheus, values, wait_until_scraped
 from tests.service_util import generate_many, prompts, request, start_draft, start_target
+from tests.tools import need
 
 ROOT = Path(__file__).resolve().parents[1]
-IN_CI = bool(os.environ.get("SPECSPLIT_CI"))
 K = 4  # the target's default num_speculative_tokens
 DRAFT_TP = 2
 REQUESTS, NEW_TOKENS, CONCURRENCY = 16, 24, 4
@@ -37,15 +36,6 @@ pytestmark = pytest.mark.slow
 BYTES, TOKENS = "specsplit_tp_comm_bytes_total", "specsplit_spec_draft_tokens_total"
 TPOT = "specsplit_time_per_output_token_seconds"
 RULE_TP = "model_service:specsplit_tp_comm_bytes_per_draft_token:ratio_rate5m"
-
-
-def need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        if IN_CI:
-            pytest.fail(f"{tool} is required in CI (scripts/ci_deps.sh installs it)")
-        pytest.skip(f"{tool} not installed (run scripts/ci_deps.sh)")
-    return path
 
 
 @dataclass

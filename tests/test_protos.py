@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from tools import need
 
 ROOT = Path(__file__).resolve().parents[1]
 PROTOS = ROOT / "protos"
@@ -43,10 +42,6 @@ def test_stubs_import_on_grpcio_184_0():
 
 
 def test_buf_lint_standard():
-    buf = str(BUF) if BUF.exists() else shutil.which("buf")
-    if buf is None:
-        if os.environ.get("SPECSPLIT_CI"):
-            pytest.fail("buf not installed (scripts/ci_deps.sh installs it from npm)")
-        pytest.skip("buf not installed (run scripts/ci_deps.sh)")
+    buf = need("buf", BUF)
     result = subprocess.run([buf, "lint"], cwd=PROTOS, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

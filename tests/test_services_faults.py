@@ -269,48 +269,26 @@ def test_tls_and_token_between_target_and_draft(demo_models, tmp_path):
     certs = make_certificates(tmp_path)
     token = tmp_path / "token"
     token.write_text("draft-secret\n")
-    draft = start_draft(
-        demo_models.draft,
-        tmp_path,
-        "--tls-cert",
-        str(certs.server_cert),
-        "--tls-key",
-        str(certs.server_key),
-        "--tls-client-ca",
-        str(certs.ca),
-        "--auth-token-file",
-        str(token),
-    ).wait_ready()
-    good = start_target(
-        demo_models.target,
-        tmp_path,
-        f"localhost:{draft.port}",
-        "--draft-tls-ca",
-        str(certs.ca),
-        "--draft-tls-cert",
-        str(certs.client_cert),
-        "--draft-tls-key",
-        str(certs.client_key),
-        "--draft-auth-token-file",
-        str(token),
-        name="good",
-    ).wait_ready()
+    draft = start_draft(demo_models.draft, tmp_path, *certs.server_args(token)).wait_ready()
     wrong = tmp_path / "wrong"
     wrong.write_text("nope\n")
-    bad = start_target(
-        demo_models.target,
-        tmp_path,
-        f"localhost:{draft.port}",
-        "--draft-tls-ca",
-        str(certs.ca),
-        "--draft-tls-cert",
-        str(certs.client_cert),
-        "--draft-tls-key",
-        str(certs.client_key),
-        "--draft-auth-token-file",
-        str(wrong),
-        name="bad",
-    ).wait_ready()
+
+    def target_with_token(token_file, name):
+        flags = [
+            "--draft-tls-ca",
+            str(certs.ca),
+            "--draft-tls-cert",
+            str(certs.client_cert),
+            "--draft-tls-key",
+            str(certs.client_key),
+            "--draft-auth-token-file",
+            str(token_file),
+        ]
+        target = start_target(demo_models.target, tmp_path, f"localhost:{draft.port}", *flags, name=name)
+        return target.wait_ready()
+
+    good = target_with_token(token, "good")
+    bad = target_with_token(wrong, "bad")
     try:
         ids = prompts(1, seed=15)[0]
         for target, speculates in ((good, True), (bad, False)):
