@@ -81,7 +81,7 @@ def query(base_url: str, expr: str, at: float | None = None) -> list[dict]:
     return body["data"]["result"]
 
 
-def wait_for_value(base_url: str, expr: str, timeout: float = 30.0) -> float:
+def wait_for_value(base_url: str, expr: str, timeout: float = 90.0) -> float:
     """Polls until `expr` returns one finite sample; returns its value."""
     deadline = time.monotonic() + timeout
     last: list[dict] = []

@@ -191,7 +191,7 @@ def test_recording_rules_on_real_prometheus(tmp_path):
         target.accepted_at_position(0).inc(10)
         target.accepted_at_position(3).inc(5)
         stats[("all_gather", "local_argmax")] = (40, 40 * 2 * 2 * 8)  # 2 values x tp 2 x 8 bytes per token
-        acceptance = wait_for_value(url, "model:specsplit_spec_acceptance:ratio_rate5m", timeout=60)
+        acceptance = wait_for_value(url, "model:specsplit_spec_acceptance:ratio_rate5m", timeout=120)
         assert acceptance == pytest.approx(0.75, rel=1e-9)
         assert wait_for_value(url, "model:specsplit_spec_accepted_length:mean_rate5m") == pytest.approx(3.0)
         by_position = "model_position:specsplit_spec_acceptance:ratio_rate5m"
