@@ -78,7 +78,7 @@ def main() -> int:
     ) as prof:
         for _ in range(10):
             step()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
     return 0
 
 
