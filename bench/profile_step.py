@@ -35,6 +35,7 @@ def main() -> int:
         device="cuda",
         dtype=args.dtype,
         max_batch_size=16,
+        log_format="json",  # no progress bar
         num_speculative_tokens=args.width - 1,
     )
     runner = TargetRunner(init_tp(1, 0, device=torch.device("cuda")), config)
