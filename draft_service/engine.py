@@ -230,6 +230,7 @@ class DraftState:
     def apply_verdict(self, req: DraftRequest, start: int, tokens: list[int]) -> bool | None:
         """Commit the target's tokens; returns whether a draft-ahead guess hit (None: none was made)."""
         req.committed = req.committed[:start] + list(tokens)
+        req.ready = None  # drafted for an older context (e.g. a step that asked this request for nothing)
         hit = None
         if req.ahead is not None:
             hit = req.ahead_expect == req.committed
@@ -241,8 +242,6 @@ class DraftState:
                 self.ahead_misses += 1
             self.ahead_hit_rate = 0.9 * self.ahead_hit_rate + 0.1 * float(hit)
         req.ahead, req.ahead_expect = None, None
-        if req.ready is not None and hit is None:
-            req.ready = None
         # Keep the KV that still matches; at least one committed token stays pending so
         # the next round has a hidden state to draft from.
         valid = min(common_prefix(req.kv_tokens, req.committed), len(req.committed) - 1)

@@ -46,7 +46,7 @@ class StreamDetokenizer:
     def _ids_covering(self, chars: int) -> int:
         """Largest token count whose decoded text fits within the first `chars` characters."""
         j = self.sent_ids
-        while j < len(self.ids) and len(self._decode(self.ids[: j + 1]).rstrip("\ufffd")) <= chars:
+        while j < len(self.ids) and len(self._decode(self.ids[: j + 1])) <= chars:
             j += 1
         return j
 

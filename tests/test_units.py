@@ -1,0 +1,128 @@
+"""Unit tests of service building blocks: stop-string streaming, flag/env parsing, draft-ahead policy,
+the draft's rollback rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from common.settings import ServiceConfig, flag, parse_config
+from common.tiny import make_tiny_model
+from common.tokenizer import load_tokenizer
+from draft_service.engine import DraftRequest, DraftState, Proposal, common_prefix
+from target_service.detok import StreamDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_tokenizer(make_tiny_model(tmp_path_factory.mktemp("tok") / "m", num_layers=1))
+
+
+def stream(tokenizer, ids, stops, step=1):
+    detok = StreamDetokenizer(tokenizer, stops)
+    texts, id_chunks, stopped = [], [], False
+    for i in range(0, len(ids), step):
+        delta = detok.push(ids[i : i + step])
+        texts.append(delta.text)
+        id_chunks += delta.token_ids
+        if delta.stopped:
+            stopped = True
+            break
+    if not stopped:
+        rest = detok.flush()
+        texts.append(rest.text)
+        id_chunks += rest.token_ids
+    return texts, id_chunks, stopped
+
+
+@pytest.mark.parametrize("step", [1, 3])
+def test_stop_string_is_never_streamed_even_in_part(tokenizer, step):
+    text = "the draft service proposes tokens and the target service checks them"
+    ids = tokenizer.encode(text)
+    stop = "target service"
+    texts, sent_ids, stopped = stream(tokenizer, ids, [stop], step)
+    assert stopped
+    assert "".join(texts) == text[: text.index(stop)]
+    for i in range(1, len(texts) + 1):  # no prefix of what was streamed ends in a piece of the stop string
+        so_far = "".join(texts[:i])
+        assert not any(so_far.endswith(stop[:n]) for n in range(2, len(stop) + 1)), so_far
+    assert tokenizer.decode(sent_ids).startswith(text[: text.index(stop)])
+
+
+def test_without_a_stop_everything_is_streamed_and_ids_match_text(tokenizer):
+    text = "speculative decoding keeps the output distribution"
+    ids = tokenizer.encode(text)
+    texts, sent_ids, stopped = stream(tokenizer, ids, ["zzz-never"], 2)
+    assert not stopped and "".join(texts) == text and sent_ids == ids
+
+
+def test_incomplete_utf8_is_held_back():
+    byte_level = load_tokenizer("/nonexistent-dir-uses-byte-level")
+    ids = list("héllo".encode())  # 'é' is two bytes
+    detok = StreamDetokenizer(byte_level, [])
+    first = detok.push(ids[:2])  # 'h' and the first byte of 'é'
+    assert first.text == "h" and first.token_ids == ids[:1]
+    rest = detok.push(ids[2:])
+    assert first.text + rest.text == "héllo" and first.token_ids + rest.token_ids == ids
+
+
+@dataclass
+class _Config(ServiceConfig):
+    ratio: float = flag(0.5, "a ratio")
+    fancy: bool = flag(False, "a switch")
+
+
+def test_flags_beat_env_which_beats_defaults(monkeypatch):
+    monkeypatch.setenv("SPECSPLIT_RATIO", "0.25")
+    monkeypatch.setenv("SPECSPLIT_FANCY", "true")
+    cfg = parse_config(_Config, ["--model", "m"], "prog")
+    assert cfg.ratio == 0.25 and cfg.fancy is True and cfg.port == 50051
+    cfg = parse_config(_Config, ["--model", "m", "--ratio", "0.75", "--no-fancy"], "prog")
+    assert cfg.ratio == 0.75 and cfg.fancy is False
+
+
+def test_bad_flags_and_env_name_the_flag(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        parse_config(_Config, [], "prog")
+    assert "--model" in capsys.readouterr().err
+    monkeypatch.setenv("SPECSPLIT_FANCY", "maybe")
+    with pytest.raises(SystemExit):
+        parse_config(_Config, ["--model", "m"], "prog")
+    assert "SPECSPLIT_FANCY" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_config(_Config, ["--model", "m", "--device", "tpu"], "prog")
+
+
+class _NoRunner:
+    max_len = 1000
+
+
+def test_verdicts_roll_the_draft_kv_back_to_the_common_prefix():
+    state = DraftState(_NoRunner(), slots=None)  # bookkeeping only: no model involved
+    req = DraftRequest(1, 0, committed=[1, 2, 3], kv_tokens=[1, 2, 3, 9, 9], k=2, temperature=0.0, seed=0)
+    state.apply_verdict(req, 3, [9, 7])  # first drafted token accepted, then a correction
+    assert req.committed == [1, 2, 3, 9, 7] and req.kv_tokens == [1, 2, 3, 9]
+    state.apply_verdict(req, 5, [4])
+    assert req.kv_tokens == [1, 2, 3, 9] and req.committed[-1] == 4  # at least one token stays pending
+    assert common_prefix([1, 2], [1, 2, 3]) == 2 and common_prefix([], [1]) == 0
+
+
+def test_draft_ahead_hit_and_miss():
+    state = DraftState(_NoRunner(), slots=None)
+    req = DraftRequest(1, 0, committed=[1, 2], kv_tokens=[1], k=2, temperature=0.0, seed=0)
+    req.ahead_expect, req.ahead = [1, 2, 5, 6, 8], Proposal([10, 11])
+    assert state.apply_verdict(req, 2, [5, 6, 8]) is True and req.ready.tokens == [10, 11]
+    req.ahead_expect, req.ahead = [1, 2, 5, 6, 8, 10, 11, 3], Proposal([12, 13])
+    assert state.apply_verdict(req, 5, [10, 4]) is False and req.ready is None
+    assert (state.ahead_hits, state.ahead_misses) == (1, 1)
+
+
+def test_draft_ahead_pauses_below_the_hit_rate_and_probes_again():
+    state = DraftState(_NoRunner(), slots=None)
+    state.ahead_hit_rate = 0.05
+    decisions = [state.ahead_worthwhile(0.15) for _ in range(40)]
+    assert decisions.count(True) == 2  # one probe every 17th round
+    state.ahead_hit_rate = 0.5
+    assert all(state.ahead_worthwhile(0.15) for _ in range(5))
+    assert state.ahead_worthwhile(0.0)
