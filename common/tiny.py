@@ -19,8 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.config import DTYPES
+
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _tensor_shapes(cfg: dict) -> dict[str, tuple[tuple[int, ...], float]]:
@@ -184,7 +185,7 @@ def make_tiny_model(
     if base_cfg is not None:
         _copy_from_base(tensors, _read_checkpoint(Path(base)), base_cfg, share_layers, draft_ids)
     tensors = {
-        n: t.to(_DTYPES[dtype]).contiguous() if t.is_floating_point() else t for n, t in tensors.items()
+        n: t.to(DTYPES[dtype]).contiguous() if t.is_floating_point() else t for n, t in tensors.items()
     }
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
     _write_checkpoint(path, tensors, num_shards)
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", type=Path, default=None, help="build a draft sharing weights with this model")
     ap.add_argument("--share-layers", type=int, default=0)
     ap.add_argument("--num-shards", type=int, default=1, help="safetensors files (>1 writes an index)")
-    ap.add_argument("--dtype", default="float32", choices=list(_DTYPES))
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
     ap.add_argument("--late-layer-scale", type=float, default=1.0, help="scale o_proj / down_proj of ...")
     ap.add_argument("--no-tokenizer", action="store_true", help="no tokenizer.json (byte-level fallback)")
     ap.add_argument("--late-layers-from", type=int, default=0, help="... the layers from this index on")

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.batch import pack
+from common.config import DTYPES
 from common.cuda_graphs import StaticStep
 from common.distributed import Comm
 from common.kernels.sampling import sample_draft_topk
@@ -23,8 +24,6 @@ from common.kv_cache import KVCache, SlotTable
 from common.loader import load_model
 from common.tp_executor import TPExecutor, rank_device
 from draft_service.config import DraftConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -51,18 +50,10 @@ class DraftRunner:
             draft_sampling=config.draft_sampling,
             progress=comm.rank == 0 and config.log_format == "text",
         )
-        mc = self.model.config
         # Room for the drafted tokens and a draft-ahead round past the context limit.
         self.max_len = config.max_context_length + 2 * config.max_speculative_tokens + 4
-        self.cache = KVCache(
-            num_layers=mc.num_hidden_layers,
-            num_slots=config.max_batch_size + 1,  # the last one is the scratch slot of padded rows
-            max_len=self.max_len,
-            num_kv_heads=mc.num_key_value_heads // comm.world_size,
-            head_dim=mc.head_dim,
-            dtype=DTYPES[config.dtype],
-            device=self.device,
-        )
+        # One slot per request plus a scratch slot for the padded rows of static-shape steps.
+        self.cache = KVCache.for_model(self.model, config.max_batch_size + 1, self.max_len)
         self.greedy_step = StaticStep(
             self._greedy_next,
             config.max_batch_size,

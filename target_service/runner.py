@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 
 from common.batch import pack
+from common.config import DTYPES
 from common.cuda_graphs import StaticStep
 from common.distributed import Comm
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.tp_executor import TPExecutor, rank_device
 from target_service.config import TargetConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class TargetRunner:
@@ -30,15 +29,8 @@ class TargetRunner:
         self.max_context = min(config.max_context_length, mc.max_position_embeddings)
         # Padding of a verify row may run k+1 positions past the longest allowed sequence.
         self.max_len = self.max_context + config.max_speculative_tokens + 2
-        self.cache = KVCache(
-            num_layers=mc.num_hidden_layers,
-            num_slots=config.max_batch_size + 1,  # the last one is the scratch slot of padded rows
-            max_len=self.max_len,
-            num_kv_heads=mc.num_key_value_heads // comm.world_size,
-            head_dim=mc.head_dim,
-            dtype=DTYPES[config.dtype],
-            device=self.device,
-        )
+        # One slot per request plus a scratch slot for the padded rows of static-shape steps.
+        self.cache = KVCache.for_model(self.model, config.max_batch_size + 1, self.max_len)
         self.verify_step = StaticStep(
             self._logits,
             config.max_batch_size,
