@@ -136,12 +136,15 @@ class ModelInfo:
     max_queued_requests: int
     max_top_k: int
     draft_connected: bool
-    eos_token_id: int
+    eos_token_id: int | None  # None: the model has no end-of-sequence token
     dtype: str
 
     @classmethod
     def from_proto(cls, msg: target_pb2.GetModelInfoResponse) -> ModelInfo:
-        return cls(**{f.name: getattr(msg, f.name) for f in fields(cls)})
+        values = {f.name: getattr(msg, f.name) for f in fields(cls)}
+        if not msg.HasField("eos_token_id"):
+            values["eos_token_id"] = None
+        return cls(**values)
 
 
 class GenerateOptions(TypedDict, total=False):

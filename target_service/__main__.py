@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             max_batch_size=config.max_batch_size,
             max_queued_requests=config.max_queued_requests,
             max_top_k=mc.vocab_size,
-            eos_token_id=min(eos_ids) if eos_ids else 0,
+            eos_token_id=min(eos_ids) if eos_ids else None,
             dtype=config.dtype,
         )
         servicer = TargetServicer(config, scheduler, metrics, tokenizer, model_info)

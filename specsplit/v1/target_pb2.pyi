@@ -280,6 +280,7 @@ class GetModelInfoResponse(_message.Message):
     max_top_k: _builtins.int
     draft_connected: _builtins.bool
     eos_token_id: _builtins.int
+    """Unset when the model defines no end-of-sequence token."""
     dtype: _builtins.str
     def __init__(
         self,
@@ -297,13 +298,15 @@ class GetModelInfoResponse(_message.Message):
         max_queued_requests: _builtins.int = ...,
         max_top_k: _builtins.int = ...,
         draft_connected: _builtins.bool = ...,
-        eos_token_id: _builtins.int = ...,
+        eos_token_id: _builtins.int | None = ...,
         dtype: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_connected", b"draft_connected", "draft_method", b"draft_method", "draft_model", b"draft_model", "draft_tp_size", b"draft_tp_size", "dtype", b"dtype", "eos_token_id", b"eos_token_id", "max_batch_size", b"max_batch_size", "max_context_length", b"max_context_length", "max_queued_requests", b"max_queued_requests", "max_speculative_tokens", b"max_speculative_tokens", "max_top_k", b"max_top_k", "num_speculative_tokens", b"num_speculative_tokens", "target_model", b"target_model", "target_tp_size", b"target_tp_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "draft_connected", b"draft_connected", "draft_method", b"draft_method", "draft_model", b"draft_model", "draft_tp_size", b"draft_tp_size", "dtype", b"dtype", "eos_token_id", b"eos_token_id", "max_batch_size", b"max_batch_size", "max_context_length", b"max_context_length", "max_queued_requests", b"max_queued_requests", "max_speculative_tokens", b"max_speculative_tokens", "max_top_k", b"max_top_k", "num_speculative_tokens", b"num_speculative_tokens", "target_model", b"target_model", "target_tp_size", b"target_tp_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
+    _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eos_token_id) -> _WhichOneofReturnType__eos_token_id | None: ...
 
 Global___GetModelInfoResponse: _TypeAlias = GetModelInfoResponse  # noqa: Y015
