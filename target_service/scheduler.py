@@ -37,6 +37,36 @@ log = logging.getLogger("specsplit.target")
 FINISH = target_pb2.FinishReason
 
 
+def checked_proposal(
+    p: draft_pb2.Proposal | None, k: int
+) -> tuple[list[int], tuple[list[int], list[float], int] | None]:
+    """A proposal's first k tokens and its sparse q, or nothing when it is malformed.
+
+    A draft is a separate service: a proposal whose top-K lists do not match its tokens, or whose
+    probabilities are not a distribution, is dropped (the request decodes plainly this step) instead
+    of failing the batch or biasing the output.
+    """
+    if p is None or not p.token_ids or k == 0:
+        return [], None
+    tokens = list(p.token_ids[:k])
+    if not p.top_k:
+        return tokens, None
+    width = p.top_k
+    ids, probs = list(p.topk_ids), list(p.topk_probs)
+    if len(ids) != len(probs) or len(ids) < len(tokens) * width:
+        log.warning(
+            "dropping a malformed draft proposal for request %d: top-K lists do not match", p.request_id
+        )
+        return [], None
+    for i, tok in enumerate(tokens):
+        row, row_ids = probs[i * width : (i + 1) * width], ids[i * width : (i + 1) * width]
+        if tok not in row_ids or not all(0.0 <= x <= 1.0 for x in row) or abs(sum(row) - 1.0) > 1e-3:
+            log.warning("dropping a malformed draft proposal for request %d: q is not a distribution "
+                        "containing the drafted token", p.request_id)  # fmt: skip
+            return [], None
+    return tokens, (ids[: len(tokens) * width], probs[: len(tokens) * width], width)
+
+
 class QueueFull(Exception):
     pass
 
@@ -300,12 +330,9 @@ class Scheduler:
         drafts: list[list[int]] = []
         sparse: list[tuple[list[int], list[float], int] | None] = []
         for req in batch:
-            p = proposals.get(req.draft_id)
-            tokens = list(p.token_ids[: req.k]) if p is not None else []
+            tokens, q = checked_proposal(proposals.get(req.draft_id), req.k)
             drafts.append(tokens)
-            sparse.append(
-                (list(p.topk_ids), list(p.topk_probs), p.top_k) if p is not None and p.top_k else None
-            )
+            sparse.append(q)
         width = max(len(d) for d in drafts) + 1
         t0 = time.perf_counter()
         logits = self.runner.executor.run(
