@@ -58,12 +58,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 )
             if not s.token_ids:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"starts.token_ids: empty for {s.request_id}")
-            if s.num_speculative_tokens > self.config.max_speculative_tokens:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"starts.num_speculative_tokens: {s.num_speculative_tokens} > "
-                    f"{self.config.max_speculative_tokens}",
-                )
             if max(s.token_ids) >= self.vocab_size:
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"starts.token_ids: id >= vocab {self.vocab_size}"
@@ -159,7 +153,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 reqs[s.request_id] = self.state.start(
                     s.request_id,
                     list(s.token_ids),
-                    s.num_speculative_tokens,
+                    # A target may allow more than this draft drafts: propose fewer, never fail the stream.
+                    min(s.num_speculative_tokens, self.config.max_speculative_tokens),
                     s.sampling.temperature,
                     s.sampling.seed,
                 )

@@ -180,3 +180,20 @@ def test_draft_tp2_started_by_torchrun(demo_models, tmp_path):
     text = draft.log_text()
     assert "draft INFO stopped" in text, text[-3000:]
     assert "[rank1]" not in text and "Connection reset" not in text, text[-3000:]
+
+
+def test_draft_with_a_smaller_k_limit_proposes_fewer(demo_models, tmp_path):
+    """The target allows k=8, the draft drafts at most 2: proposals are clamped, nothing fails."""
+    draft = start_draft(demo_models.draft, tmp_path, "--max-speculative-tokens", "2").wait_ready()
+    target = start_target(demo_models.target, tmp_path, draft).wait_ready()
+    try:
+        ps = prompts(4, seed=8)
+        plain = generate_many(target.address, [request(p, k=0) for p in ps], 4)
+        spec = generate_many(target.address, [request(p, k=8) for p in ps], 4)
+        assert_same(spec, plain)
+        for r in spec:
+            assert 0 < r.usage.drafted_tokens <= 2 * r.usage.steps
+        assert target.metric("specsplit_spec_fallback_steps_total") == 0
+    finally:
+        target.stop()
+        draft.stop()
