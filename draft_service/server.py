@@ -63,11 +63,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT, f"starts.token_ids: id >= vocab {self.vocab_size}"
                 )
         for v in msg.verdicts:
-            if v.request_id not in reqs:
-                context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"verdicts.request_id: {v.request_id} unknown"
-                )
-            if v.start > len(reqs[v.request_id].committed):
+            if v.request_id in reqs and v.start > len(reqs[v.request_id].committed):
                 context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"verdicts.start: {v.start} beyond the context"
                 )
@@ -148,6 +144,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             req = reqs.pop(rid, None)
             if req is not None:
                 self.state.release(req)
+        unknown: list[int] = []
         for s in msg.starts:
             try:
                 reqs[s.request_id] = self.state.start(
@@ -158,14 +155,18 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     s.sampling.temperature,
                     s.sampling.seed,
                 )
-            except RuntimeError:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "starts: no free draft KV slot")
+            except RuntimeError:  # out of KV slots: this request is not drafted for; the target re-sends it
+                unknown.append(s.request_id)
         for v in msg.verdicts:
+            if v.request_id not in reqs:
+                unknown.append(v.request_id)
+                continue
             hit = self.state.apply_verdict(reqs[v.request_id], v.start, list(v.token_ids))
             if hit is True:
                 self.metrics.draft_ahead_hits.inc()
             elif hit is False:
                 self.metrics.draft_ahead_misses.inc()
+        unknown += [r for r in msg.propose if r not in reqs and r not in unknown]
         targets = [reqs[r] for r in msg.propose if r in reqs]
         t0 = time.perf_counter()
         proposals = self.state.propose(targets) if targets else {}
@@ -178,6 +179,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         response = draft_pb2.SpeculateResponse(
             step=msg.step,
             proposals=[self._to_pb(rid, p) for rid, p in proposals.items()],
+            unknown_request_ids=unknown,
             draft_seconds=elapsed,
         )
         return response, (targets, proposals) if targets else None

@@ -308,6 +308,11 @@ class Scheduler:
             if link.epoch == epoch and link.connected:
                 log.warning("draft answered step %d too late; verified it with k = 0", self.step_no)
             return {}
+        if response.unknown_request_ids:
+            unknown = set(response.unknown_request_ids)
+            for req in batch:
+                if req.draft_id in unknown:
+                    req.draft_synced = -1  # re-sent as a start next step
         return {p.request_id: p for p in response.proposals}
 
     def _release_on_draft(self) -> None:

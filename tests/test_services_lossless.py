@@ -197,3 +197,22 @@ def test_draft_with_a_smaller_k_limit_proposes_fewer(demo_models, tmp_path):
     finally:
         target.stop()
         draft.stop()
+
+
+def test_draft_out_of_kv_slots_keeps_the_stream(demo_models, tmp_path):
+    """The draft has 2 KV slots, the target runs 6 requests: the extra ones decode plainly until a slot
+    frees (the draft reports them unknown and the target re-sends them), the stream never breaks."""
+    draft = start_draft(demo_models.draft, tmp_path, "--max-batch-size", "2").wait_ready()
+    target = start_target(demo_models.target, tmp_path, draft).wait_ready()
+    try:
+        ps = prompts(6, seed=9)
+        plain = generate_many(target.address, [request(p, k=0) for p in ps], 6)
+        spec = generate_many(target.address, [request(p) for p in ps], 6)
+        assert_same(spec, plain)
+        assert sum(r.usage.drafted_tokens > 0 for r in spec) >= 2
+        assert target.metric("specsplit_draft_reconnects_total") == 0
+        assert target.metric("specsplit_draft_connected") == 1
+        assert draft.metric("specsplit_kv_slots_used") <= 2
+    finally:
+        target.stop()
+        draft.stop()

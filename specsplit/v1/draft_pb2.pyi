@@ -181,21 +181,29 @@ class SpeculateResponse(_message.Message):
     STEP_FIELD_NUMBER: _builtins.int
     PROPOSALS_FIELD_NUMBER: _builtins.int
     DRAFT_SECONDS_FIELD_NUMBER: _builtins.int
+    UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     draft_seconds: _builtins.float
     """Wall time the draft spent on this step (forwards only), seconds."""
     @_builtins.property
     def proposals(self) -> _containers.RepeatedCompositeFieldContainer[Global___Proposal]: ...
+    @_builtins.property
+    def unknown_request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Requests the draft does not hold (no free KV slot when they started): the target sends them
+        again as starts, and decodes them without speculation until the draft takes them.
+        """
+
     def __init__(
         self,
         *,
         step: _builtins.int = ...,
         proposals: _abc.Iterable[Global___Proposal] | None = ...,
         draft_seconds: _builtins.float = ...,
+        unknown_request_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_seconds", b"draft_seconds", "proposals", b"proposals", "step", b"step"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_seconds", b"draft_seconds", "proposals", b"proposals", "step", b"step", "unknown_request_ids", b"unknown_request_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
