@@ -160,6 +160,11 @@ def main() -> int:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--draft-tp-size", type=int, default=1)
+    ap.add_argument("--target-tp-size", type=int, default=1)
+    ap.add_argument(
+        "--draft-args", default="", help="extra draft flags, e.g. '--no-use-local-argmax-reduction'"
+    )
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--models", type=Path, default=None)
@@ -181,7 +186,16 @@ def main() -> int:
     for dtype in args.dtypes:
         common = ["--device", args.device, "--dtype", dtype]
         draft = start_service(
-            "draft_service", ["--model", str(draft_dir), *common], logs / f"draft-{dtype}.log"
+            "draft_service",
+            [
+                "--model",
+                str(draft_dir),
+                *common,
+                "--tp-size",
+                str(args.draft_tp_size),
+                *args.draft_args.split(),
+            ],
+            logs / f"draft-{dtype}.log",
         )
         draft.wait_ready(600)
         target = start_service(
@@ -190,6 +204,8 @@ def main() -> int:
                 "--model",
                 str(target_dir),
                 *common,
+                "--tp-size",
+                str(args.target_tp_size),
                 "--draft-address",
                 draft.address,
                 "--num-speculative-tokens",
