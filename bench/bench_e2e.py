@@ -107,6 +107,20 @@ def run_batch(address: str, prompts: list[list[int]], n: int, k: int) -> dict:
     }
 
 
+def gpu_split(device: str, draft_tp: int, target_tp: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Separate GPUs for the two services when the machine has enough (each TP group from its device 0)."""
+    if device != "cuda":
+        return {}, {}
+    import torch
+
+    if torch.cuda.device_count() < draft_tp + target_tp:
+        return {}, {}  # both share the visible GPUs (one H200: both on it)
+    ids = [str(i) for i in range(draft_tp + target_tp)]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[:draft_tp])}, {
+        "CUDA_VISIBLE_DEVICES": ",".join(ids[draft_tp:])
+    }
+
+
 def step_times(draft, target) -> list[float]:
     """[draft round s, rounds, verify s, verify steps, round trip s, round trips, fallback steps] so far."""
     return [
@@ -183,6 +197,7 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="specsplit-bench-"))
     rows = []
     mismatches: list[tuple[str, list[int], list[int], list[int]]] = []
+    draft_env, target_env = gpu_split(args.device, args.draft_tp_size, args.target_tp_size)
     for dtype in args.dtypes:
         common = ["--device", args.device, "--dtype", dtype]
         draft = start_service(
@@ -196,6 +211,7 @@ def main() -> int:
                 *args.draft_args.split(),
             ],
             logs / f"draft-{dtype}.log",
+            env=draft_env,
         )
         draft.wait_ready(600)
         target = start_service(
@@ -216,6 +232,7 @@ def main() -> int:
                 "DEBUG",  # per-phase step times every 256 steps
             ],
             logs / f"target-{dtype}.log",
+            env=target_env,
         )
         try:
             target.wait_ready(600)
