@@ -7,11 +7,13 @@ from a one-position verify, i.e. the target alone). Greedy comparisons are exact
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from service_util import generate_many, prompts, request, start_draft, start_target
 
 from specsplit.launch import ServiceProcess, free_port
@@ -216,3 +218,58 @@ def test_draft_out_of_kv_slots_keeps_the_stream(demo_models, tmp_path):
     finally:
         target.stop()
         draft.stop()
+
+
+def test_sampled_first_token_follows_the_target_distribution(demo_models, tmp_path):
+    """End to end through gRPC with sampled top-K drafting (sparse q on the wire): the first generated
+    token, over 1500 seeds, is distributed as the target's own softmax at the prompt (chi-square, bins with
+    expected count >= 5 merged, threshold df + 10 * sqrt(2 * df))."""
+    from common.distributed import init_tp
+    from common.kv_cache import KVCache
+    from common.loader import load_model
+    from common.models.generate import forward_rows
+
+    prompt = prompts(1, seed=11)[0]
+    model = load_model(demo_models.target, init_tp(1, 0))
+    with torch.inference_mode():
+        hidden = forward_rows(model, KVCache.for_model(model, 1, len(prompt) + 1), [0], [0], [prompt])
+        p = torch.softmax(model.compute_logits(hidden[0, -1:])[0].double(), -1)
+    draft = start_draft(demo_models.draft, tmp_path, "--draft-sampling", "sampled",
+                        "--no-use-local-argmax-reduction").wait_ready()  # fmt: skip
+    target = start_target(demo_models.target, tmp_path, draft).wait_ready()
+    try:
+        n = 1500
+        reqs = [request(prompt, max_new_tokens=1, temperature=1.0, seed=s) for s in range(n)]
+        results = generate_many(target.address, reqs, 16)
+        assert sum(r.usage.drafted_tokens for r in results) > 0
+    finally:
+        target.stop()
+        draft.stop()
+    counts = torch.bincount(torch.tensor([r.ids[0] for r in results]), minlength=p.numel()).double()
+    chi2, df = chi_square(counts, p)
+    assert df >= 5, "too few bins for a meaningful test"
+    assert chi2 < df + 10 * math.sqrt(2 * df), (chi2, df)
+    # The test has power: the same samples against a target with 0.15 of probability moved from the
+    # most likely token to the third must fail.
+    wrong = p.clone()
+    top3 = torch.topk(p, 3).indices
+    wrong[top3[0]] -= 0.15
+    wrong[top3[2]] += 0.15
+    chi2_wrong, df_wrong = chi_square(counts, wrong)
+    assert chi2_wrong > df_wrong + 10 * math.sqrt(2 * df_wrong), (chi2_wrong, df_wrong)
+
+
+def chi_square(counts, p) -> tuple[float, int]:
+    """Pearson's statistic with the tail merged so every bin expects >= 5 samples; (chi2, df)."""
+    n = counts.sum().item()
+    observed, expected, bin_o, bin_e = [], [], 0.0, 0.0
+    for i in torch.argsort(p, descending=True).tolist():
+        bin_o += counts[i].item()
+        bin_e += n * p[i].item()
+        if bin_e >= 5:
+            observed.append(bin_o)
+            expected.append(bin_e)
+            bin_o = bin_e = 0.0
+    observed[-1] += bin_o
+    expected[-1] += bin_e
+    return sum((o - e) ** 2 / e for o, e in zip(observed, expected)), len(observed) - 1
