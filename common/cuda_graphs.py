@@ -88,10 +88,13 @@ class StaticStep:
         return graph, static, out, per_replay
 
     @torch.inference_mode()
-    def warm_up(self, widths: list[int], max_ctx: int | None = None) -> int:
-        """Captures every (batch bucket, width, context bucket) up front, so no request pays for a
-        capture. Runs only padding rows (scratch slot). Returns the number of graphs."""
-        if not self.use_graphs:
+    def warm_up(self, widths: list[int], max_ctx: int | None = None, capture: bool = True) -> int:
+        """One eager step on the scratch slot (kernels warm, every collective site of the step counted
+        once, so its metric series exist), then, on the GPU, captures every (batch bucket, width, context
+        bucket) up front so no request pays for a capture. Returns the number of graphs."""
+        static = self._inputs(1, 1)
+        self.fn(static["input_ids"], static["positions"], static["slots"], 1)
+        if not (self.use_graphs and capture):
             return 0
         for ctx in self.ctx_buckets:
             if max_ctx is not None and ctx > max_ctx:

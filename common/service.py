@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
+from common.distributed import comm_stats
 from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
 from common.lifecycle import install_drain_handler
-from common.metrics import start_metrics_server
+from common.metrics import ServiceMetrics, start_metrics_server
 from common.settings import ServiceConfig
 
 log = logging.getLogger("specsplit")
@@ -35,6 +36,16 @@ class Front:
         log.info("ready: grpc port %d, metrics port %d%s", self.port, self.metrics_port, detail)
         # Launchers (specsplit.launch, the demo) wait for this line.
         print(f"SPECSPLIT_READY grpc={self.port} metrics={self.metrics_port}", flush=True)
+
+
+def service_metrics(
+    service: str, model: str, config: ServiceConfig, tp_size: int, **info: object
+) -> ServiceMetrics:
+    """The service's metrics with the facts every service exports (KV capacity, TP size, device, dtype)."""
+    metrics = ServiceMetrics(service, model, comm_stats=comm_stats)
+    metrics.kv_slots_total.set(config.max_batch_size)
+    metrics.set_info(tp_size=tp_size, device=config.device, dtype=config.dtype, **info)
+    return metrics
 
 
 def build_front(config: ServiceConfig, service_name: str, register: Callable[[grpc.Server], None]) -> Front:

@@ -6,11 +6,9 @@ import logging
 import sys
 import time
 
-from common.distributed import comm_stats
 from common.kv_cache import SlotTable
 from common.logs import setup_logging
-from common.metrics import ServiceMetrics
-from common.service import build_front, serve_until_drained
+from common.service import build_front, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tp_executor import launch_tp
 from draft_service.config import DraftConfig
@@ -50,12 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         runner.graphs,
     )
 
-    metrics = ServiceMetrics("draft", mc.name, comm_stats=comm_stats)
-    metrics.kv_slots_total.set(config.max_batch_size)
-    metrics.set_info(
-        tp_size=comm.world_size,
-        device=config.device,
-        dtype=config.dtype,
+    metrics = service_metrics(
+        "draft",
+        mc.name,
+        config,
+        comm.world_size,
         method=config.method,
         markov_head_mode=config.markov_head_mode if mc.markov_rank else "none",
     )

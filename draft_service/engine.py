@@ -63,10 +63,8 @@ class DraftRunner:
             use_graphs=config.cuda_graphs,
         )
         self.executor = TPExecutor(comm, {"draft_round": self.draft_round})
-        # One step on the scratch slot: kernels warm, and every collective site exists in the metrics.
-        zeros = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
-        self._greedy_next(zeros, zeros, torch.full((1,), config.max_batch_size, device=self.device), 1)
-        self.graphs = self.greedy_step.warm_up([1]) if config.draft_sampling == "greedy" else 0
+        # Sampled drafting never replays the greedy step, so it only needs the warm-up forward.
+        self.graphs = self.greedy_step.warm_up([1], capture=config.draft_sampling == "greedy")
 
     @torch.inference_mode()
     def _greedy_next(
@@ -187,9 +185,10 @@ class DraftRequest:
     ahead: Proposal | None = None
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int], known: int = 0) -> int:
+    """Length of the common prefix of a and b, given that their first `known` items agree."""
     n = min(len(a), len(b))
-    for i in range(n):
+    for i in range(known, n):
         if a[i] != b[i]:
             return i
     return n
@@ -220,7 +219,11 @@ class DraftState:
 
     def apply_verdict(self, req: DraftRequest, start: int, tokens: list[int]) -> bool | None:
         """Commit the target's tokens; returns whether a draft-ahead guess hit (None: none was made)."""
-        req.committed = req.committed[:start] + list(tokens)
+        # The KV tokens always extend an older committed sequence, so they agree with it up to `start`:
+        # only the few tokens after it are compared (no walk over the whole context every step).
+        agreed = min(start, len(req.kv_tokens))
+        del req.committed[start:]
+        req.committed.extend(tokens)
         req.ready = None  # drafted for an older context (e.g. a step that asked this request for nothing)
         hit = None
         if req.ahead is not None:
@@ -235,8 +238,8 @@ class DraftState:
         req.ahead, req.ahead_expect = None, None
         # Keep the KV that still matches; at least one committed token stays pending so
         # the next round has a hidden state to draft from.
-        valid = min(common_prefix(req.kv_tokens, req.committed), len(req.committed) - 1)
-        req.kv_tokens = req.kv_tokens[:valid]
+        valid = min(common_prefix(req.kv_tokens, req.committed, agreed), len(req.committed) - 1)
+        del req.kv_tokens[valid:]
         return hit
 
     def fits(self, req: DraftRequest, extra: int) -> bool:

@@ -6,14 +6,12 @@ import logging
 import sys
 import time
 
-from common.distributed import comm_stats
 from common.grpc_util import (
     channel_credentials,
     read_token,
 )
 from common.logs import setup_logging
-from common.metrics import ServiceMetrics
-from common.service import build_front, serve_until_drained
+from common.service import build_front, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
 from common.tp_executor import launch_tp
@@ -60,13 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         runner.graphs,
     )
 
-    metrics = ServiceMetrics("target", mc.name, comm_stats=comm_stats)
-    metrics.kv_slots_total.set(config.max_batch_size)
-    metrics.set_info(
-        tp_size=comm.world_size,
-        device=config.device,
-        dtype=config.dtype,
-        verify_backend=config.verify_backend,
+    metrics = service_metrics(
+        "target", mc.name, config, comm.world_size, verify_backend=config.verify_backend
     )
     metrics.draft_connected.set(0)
     try:

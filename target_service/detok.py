@@ -3,11 +3,14 @@
 Text is released only when it can no longer change: a trailing incomplete UTF-8
 character (decoded as U+FFFD) or a suffix that could still grow into a stop
 string is held back, together with the tokens that produced it. So no partial
-stop string is ever streamed, and token ids and text stay in step.
+stop string is ever streamed, and token ids and text stay in step. Each new token
+is decoded from a window of a few tokens (as vLLM's incremental detokenizer does),
+so a token costs the same at the end of a long output as at its start.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,63 +31,68 @@ class StreamDetokenizer:
     tokenizer: Decoder | None
     stop_strings: list[str] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
+    text: str = ""  # decoded text of the confirmed tokens (never ends in a partial character)
+    # char_end[j]: len(text) once token j is confirmed; tokens past len(char_end) await more bytes.
+    char_end: list[int] = field(default_factory=list)
+    prefix: int = 0  # decoding restarts from ids[prefix:]: a few tokens of context, not the whole output
     sent_ids: int = 0
     sent_chars: int = 0
 
+    def _append(self, token: int) -> None:
+        """Decodes one more token from a short window, so a step costs O(new tokens), not O(output)."""
+        assert self.tokenizer is not None
+        self.ids.append(token)
+        confirmed = len(self.char_end)
+        known = self.tokenizer.decode(self.ids[self.prefix : confirmed])
+        window = self.tokenizer.decode(self.ids[self.prefix :])
+        if window.endswith("\ufffd") or len(window) < len(known):
+            return  # an incomplete character: wait for its next bytes
+        self.text += window[len(known) :]
+        self.char_end += [len(self.text)] * (len(self.ids) - confirmed)
+        self.prefix = confirmed
+
     def _held_suffix(self, text: str) -> int:
-        """Characters at the end of `text` that might still become a stop string or a whole character."""
+        """Characters at the end of `text` that might still become a stop string."""
         hold = 0
         for stop in self.stop_strings:
             for n in range(min(len(stop) - 1, len(text)), 0, -1):
                 if text.endswith(stop[:n]):
                     hold = max(hold, n)
                     break
-        if text.endswith("\ufffd"):
-            hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
         return hold
 
-    def _ids_covering(self, chars: int) -> int:
-        """Largest token count whose decoded text fits within the first `chars` characters."""
-        j = self.sent_ids
-        while j < len(self.ids) and len(self._decode(self.ids[: j + 1])) <= chars:
-            j += 1
-        return j
-
-    def _decode(self, ids: list[int]) -> str:
-        assert self.tokenizer is not None
-        return self.tokenizer.decode(ids)
-
     def push(self, new_ids: list[int]) -> Delta:
-        self.ids.extend(new_ids)
         if self.tokenizer is None:
+            self.ids.extend(new_ids)
             delta = Delta(self.ids[self.sent_ids :], "")
             self.sent_ids = len(self.ids)
             return delta
-        text = self._decode(self.ids)
+        for token in new_ids:
+            self._append(token)
+        text = self.text
         if self.stop_strings:
             search_from = max(0, self.sent_chars - max(len(s) for s in self.stop_strings))
             hits = [(i, s) for s in self.stop_strings if (i := text.find(s, search_from)) >= 0]
             if hits:
                 idx, stop = min(hits)
-                end_ids = self._ids_covering(idx + len(stop) - 1) + 1
-                delta = Delta(
-                    self.ids[self.sent_ids : min(end_ids, len(self.ids))],
-                    text[self.sent_chars : idx],
-                    stopped=True,
-                )
+                end_ids = bisect.bisect_left(self.char_end, idx + len(stop)) + 1
+                delta = Delta(self.ids[self.sent_ids : end_ids], text[self.sent_chars : idx], stopped=True)
                 self.sent_ids, self.sent_chars = len(self.ids), idx
                 return delta
         safe = len(text) - self._held_suffix(text)
-        end_ids = self._ids_covering(safe) if safe < len(text) else len(self.ids)
+        end_ids = bisect.bisect_right(self.char_end, safe)  # tokens whose text is all released
         delta = Delta(self.ids[self.sent_ids : end_ids], text[self.sent_chars : safe])
-        self.sent_ids, self.sent_chars = end_ids, max(self.sent_chars, safe)
+        self.sent_ids, self.sent_chars = max(self.sent_ids, end_ids), max(self.sent_chars, safe)
         return delta
 
     def flush(self) -> Delta:
         """At the end of a request (no stop string hit): release whatever was held back."""
         if self.tokenizer is None:
             return Delta(self.ids[self.sent_ids :], "")
-        text = self._decode(self.ids)
-        delta = Delta(self.ids[self.sent_ids :], text[self.sent_chars :])
-        self.sent_ids, self.sent_chars = len(self.ids), len(text)
+        known = self.tokenizer.decode(self.ids[self.prefix : len(self.char_end)])
+        tail = self.tokenizer.decode(self.ids[self.prefix :])[
+            len(known) :
+        ]  # incomplete characters, as U+FFFD
+        delta = Delta(self.ids[self.sent_ids :], self.text[self.sent_chars :] + tail)
+        self.sent_ids, self.sent_chars = len(self.ids), len(self.text)
         return delta

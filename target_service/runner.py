@@ -41,8 +41,6 @@ class TargetRunner:
             copy_output=False,  # the logits are consumed by verify() before the next step
         )
         self.executor = TPExecutor(comm, {"prefill": self.prefill, "verify_forward": self.verify_forward})
-        # One forward on the scratch slot: kernels warm, and every collective site exists in the metrics.
-        self._logits(*self._scratch_row(), ctx_len=1)
         # Plain decoding (width 1) and the default k; other widths are captured on first use.
         self.graphs = self.verify_step.warm_up(sorted({1, config.num_speculative_tokens + 1}))
 
@@ -50,10 +48,6 @@ class TargetRunner:
     def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_len: int):
         hidden = self.model(input_ids, positions, slots, self.cache, ctx_len)
         return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
-
-    def _scratch_row(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        zeros = torch.zeros(1, 1, dtype=torch.int64, device=self.device)
-        return zeros, zeros, torch.full((1,), self.config.max_batch_size, device=self.device)
 
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], slots: list[int]) -> None:

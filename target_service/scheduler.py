@@ -376,25 +376,26 @@ class Scheduler:
         for b, sp in enumerate(sparse):
             groups.setdefault(sp[2] if sp is not None else 0, []).append(b)
         results: list[tuple[list[int], int]] = [([], 0)] * len(batch)
+        max_k = width - 1
         for top_k, idx in groups.items():
             reqs = [batch[b] for b in idx]
-            max_k = width - 1
-            draft_ids = torch.full((len(idx), max(max_k, 1)), -1, dtype=torch.int64)
-            for row, b in enumerate(idx):
-                draft_ids[row, : len(drafts[b])] = torch.tensor(drafts[b], dtype=torch.int64)
+            # One host tensor per input, padded in Python: no per-row tensors on the step's path.
+            draft_ids = torch.tensor([drafts[b] + [-1] * (max_k - len(drafts[b])) for b in idx],
+                                     dtype=torch.int64).view(len(idx), max_k)  # fmt: skip
             kwargs = {}
             if top_k:
-                ids = torch.zeros((len(idx), max_k, top_k), dtype=torch.int64)
-                probs = torch.zeros((len(idx), max_k, top_k), dtype=torch.float32)
-                for row, b in enumerate(idx):
-                    n = len(drafts[b])
-                    ids[row, :n] = torch.tensor(sparse[b][0][: n * top_k]).view(n, top_k)
-                    probs[row, :n] = torch.tensor(sparse[b][1][: n * top_k]).view(n, top_k)
-                kwargs = {"draft_topk_ids": ids.to(device), "draft_topk_probs": probs.to(device)}
+                pad = [0] * (max_k * top_k)
+                ids = [(sparse[b][0] + pad)[: max_k * top_k] for b in idx]
+                probs = [(sparse[b][1] + pad)[: max_k * top_k] for b in idx]
+                shape = (len(idx), max_k, top_k)
+                kwargs = {
+                    "draft_topk_ids": torch.tensor(ids, dtype=torch.int64, device=device).view(shape),
+                    "draft_topk_probs": torch.tensor(probs, dtype=torch.float32, device=device).view(shape),
+                }
             group_logits = logits[idx] if len(idx) != len(batch) else logits
             res: VerifyResult = self.verify_fn(
                 group_logits.reshape(len(idx) * width, -1),
-                draft_ids[:, :max_k].to(device),
+                draft_ids.to(device),
                 torch.tensor([len(drafts[b]) for b in idx], dtype=torch.int32, device=device),
                 torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=device),
                 torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=device),
@@ -407,11 +408,10 @@ class Scheduler:
                 else None,
                 **kwargs,
             )
-            out = res.output_tokens.tolist()
-            emitted = res.num_emitted.tolist()
-            accepted = res.num_accepted.tolist()
-            for row, b in enumerate(idx):
-                results[b] = (out[row][: emitted[row]], accepted[row])
+            # One device-to-host copy (and sync) for all three outputs.
+            packed = torch.cat([res.output_tokens, res.num_accepted[:, None], res.num_emitted[:, None]], 1)
+            for b, (*out, accepted, emitted) in zip(idx, packed.tolist()):
+                results[b] = (out[:emitted], accepted)
         return results
 
     def _commit(

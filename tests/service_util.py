@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,3 +97,28 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(0.05)
+
+
+@contextmanager
+def running(*services: ServiceProcess) -> Iterator[tuple[ServiceProcess, ...]]:
+    """Stops the services (last started first) when the block ends, whatever happened in it."""
+    try:
+        yield services
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+
+def speculative_equals_plain(address: str, ps: list[list[int]], concurrency: int, k: int | None = None,
+                             **kw) -> tuple[list[Result], list[Result]]:  # fmt: skip
+    """Greedy generations with speculation (k, default: the server's) and without (k=0): asserts the
+    token sequences are identical; returns (speculative, plain)."""
+    plain = generate_many(address, [request(p, k=0, **kw) for p in ps], concurrency)
+    spec = generate_many(address, [request(p, k=k, **kw) for p in ps], concurrency)
+    assert_same_tokens(spec, plain)
+    return spec, plain
+
+
+def assert_same_tokens(spec: list[Result], plain: list[Result]) -> None:
+    for i, (a, b) in enumerate(zip(spec, plain)):
+        assert a.ids == b.ids, f"prompt {i}: speculative {a.ids} != plain {b.ids}"

@@ -183,8 +183,9 @@ def test_recording_rules_on_real_prometheus(tmp_path):
     rules[0].write_text(yaml.safe_dump(groups))
     with start_prometheus({"specsplit-target": [f"127.0.0.1:{ports[0]}"],
                            "specsplit-draft": [f"127.0.0.1:{ports[1]}"]}, rules) as url:  # fmt: skip
-        # A zero sample first, so rate() sees the whole increase in both series alike.
-        wait_for_value(url, "sum(specsplit_spec_draft_tokens_total) == 0")
+        # A zero sample of BOTH services first, so rate() sees the whole increase in every series: a sum
+        # over whichever registry was scraped first would let the target's first sample already be 40.
+        wait_for_value(url, "count(specsplit_spec_draft_tokens_total == 0) == 2")
         target.drafts.inc(10)
         target.draft_tokens.inc(40)
         target.accepted_tokens.inc(30)

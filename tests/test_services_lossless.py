@@ -14,7 +14,16 @@ import sys
 
 import pytest
 import torch
-from service_util import generate_many, prompts, request, start_draft, start_target
+from service_util import (
+    assert_same_tokens,
+    generate_many,
+    prompts,
+    request,
+    running,
+    speculative_equals_plain,
+    start_draft,
+    start_target,
+)
 
 from specsplit.launch import ServiceProcess, free_port
 
@@ -34,17 +43,10 @@ def stack(demo_models, tmp_path_factory):
     draft.stop()
 
 
-def assert_same(spec, plain):
-    for i, (a, b) in enumerate(zip(spec, plain)):
-        assert a.ids == b.ids, f"prompt {i}: speculative {a.ids} != plain {b.ids}"
-
-
 def test_greedy_lossless_concurrent(stack):
     draft, target = stack
     ps = prompts(N_PROMPTS)
-    plain = generate_many(target.address, [request(p, k=0) for p in ps], CONCURRENCY)
-    spec = generate_many(target.address, [request(p) for p in ps], CONCURRENCY)
-    assert_same(spec, plain)
+    spec, plain = speculative_equals_plain(target.address, ps, CONCURRENCY)
     drafted = sum(r.usage.drafted_tokens for r in spec)
     accepted = sum(r.usage.accepted_tokens for r in spec)
     assert all(r.usage.drafted_tokens > 0 for r in spec), "every request should have been speculated"
@@ -64,7 +66,7 @@ def test_greedy_lossless_mixed_k(stack):
     spec = generate_many(
         target.address, [request(p, k=1 + i % 6, max_new_tokens=16) for i, p in enumerate(ps)], 12
     )
-    assert_same(spec, plain)
+    assert_same_tokens(spec, plain)
 
 
 def test_sampled_same_seed_same_output_whatever_concurrency(stack):
@@ -83,19 +85,14 @@ def test_sampled_same_seed_same_output_whatever_concurrency(stack):
 def test_draft_tp2_markov_head_lossless(demo_models, tmp_path):
     draft = start_draft(demo_models.markov_draft, tmp_path, "--tp-size", "2").wait_ready()
     target = start_target(demo_models.target, tmp_path, draft).wait_ready()
-    try:
+    with running(draft, target):
         ps = prompts(10, seed=3)
-        plain = generate_many(target.address, [request(p, k=0) for p in ps], 10)
-        spec = generate_many(target.address, [request(p) for p in ps], 10)
-        assert_same(spec, plain)
+        spec, _ = speculative_equals_plain(target.address, ps, 10)
         assert sum(r.usage.drafted_tokens for r in spec) > 0
         # Local argmax with a replicated Markov head: the head adds no collective at all.
         assert draft.metric("specsplit_tp_comm_calls_total", site="lm_head_argmax") > 0
         assert draft.metric("specsplit_tp_comm_calls_total", site="markov_head") == 0
         assert draft.metric("specsplit_tp_comm_calls_total", site="logits_gather") == 0
-    finally:
-        target.stop()
-        draft.stop()
 
 
 def test_sampled_drafting_and_no_draft_ahead(demo_models, tmp_path):
@@ -110,11 +107,9 @@ def test_sampled_drafting_and_no_draft_ahead(demo_models, tmp_path):
         "--no-draft-ahead",
     ).wait_ready()
     target = start_target(demo_models.target, tmp_path, draft).wait_ready()
-    try:
+    with running(draft, target):
         ps = prompts(8, seed=4)
-        plain = generate_many(target.address, [request(p, k=0) for p in ps], 8)
-        spec = generate_many(target.address, [request(p) for p in ps], 8)
-        assert_same(spec, plain)
+        speculative_equals_plain(target.address, ps, 8)
         sampled = [request(p, temperature=1.0, seed=7 + i) for i, p in enumerate(ps)]
         a = generate_many(target.address, sampled, 1)
         b = generate_many(target.address, sampled, 8)
@@ -122,9 +117,6 @@ def test_sampled_drafting_and_no_draft_ahead(demo_models, tmp_path):
         assert sum(r.usage.accepted_tokens for r in a) > 0
         assert draft.metric("specsplit_draft_ahead_hits_total") == 0
         assert draft.metric("specsplit_draft_ahead_misses_total") == 0
-    finally:
-        target.stop()
-        draft.stop()
 
 
 def test_target_tp2_lossless_and_json_logs(demo_models, tmp_path):
@@ -134,19 +126,14 @@ def test_target_tp2_lossless_and_json_logs(demo_models, tmp_path):
     target = start_target(
         demo_models.target, tmp_path, draft, "--tp-size", "2", "--log-format", "json"
     ).wait_ready()
-    try:
+    with running(draft, target):
         ps = prompts(8, seed=5)
-        plain = generate_many(target.address, [request(p, k=0) for p in ps], 8)
-        spec = generate_many(target.address, [request(p) for p in ps], 8)
-        assert_same(spec, plain)
+        spec, _ = speculative_equals_plain(target.address, ps, 8)
         assert sum(r.usage.accepted_tokens for r in spec) > 0
         # The verify forward all-reduces inside the model and all-gathers the logits.
         assert target.metric("specsplit_tp_comm_calls_total", site="logits_gather") > 0
         assert target.metric("specsplit_tp_comm_calls_total", site="attn_out") > 0
         assert target.metric("specsplit_service_info", tp_size="2") == 1
-    finally:
-        target.stop()
-        draft.stop()
     records = [json.loads(line) for line in target.log_text().splitlines() if line.startswith("{")]
     messages = [r["msg"] for r in records]
     assert any(m.startswith("ready:") for m in messages), messages
@@ -168,16 +155,11 @@ def test_draft_tp2_started_by_torchrun(demo_models, tmp_path):
         )
     draft = ServiceProcess("draft_service", popen, port, metrics_port, log).wait_ready()
     target = start_target(demo_models.target, tmp_path, draft).wait_ready()
-    try:
+    with running(draft, target):
         ps = prompts(6, seed=6)
-        plain = generate_many(target.address, [request(p, k=0) for p in ps], 6)
-        spec = generate_many(target.address, [request(p) for p in ps], 6)
-        assert_same(spec, plain)
+        spec, _ = speculative_equals_plain(target.address, ps, 6)
         assert sum(r.usage.accepted_tokens for r in spec) > 0
         assert draft.metric("specsplit_service_info", tp_size="2") == 1
-    finally:
-        target.stop()
-        draft.stop()
     # torchrun itself exits non-zero when signalled, but rank 0 drained and stopped its workers cleanly.
     text = draft.log_text()
     assert "draft INFO stopped" in text, text[-3000:]
@@ -188,17 +170,12 @@ def test_draft_with_a_smaller_k_limit_proposes_fewer(demo_models, tmp_path):
     """The target allows k=8, the draft drafts at most 2: proposals are clamped, nothing fails."""
     draft = start_draft(demo_models.draft, tmp_path, "--max-speculative-tokens", "2").wait_ready()
     target = start_target(demo_models.target, tmp_path, draft).wait_ready()
-    try:
+    with running(draft, target):
         ps = prompts(4, seed=8)
-        plain = generate_many(target.address, [request(p, k=0) for p in ps], 4)
-        spec = generate_many(target.address, [request(p, k=8) for p in ps], 4)
-        assert_same(spec, plain)
+        spec, _ = speculative_equals_plain(target.address, ps, 4, k=8)
         for r in spec:
             assert 0 < r.usage.drafted_tokens <= 2 * r.usage.steps
         assert target.metric("specsplit_spec_fallback_steps_total") == 0
-    finally:
-        target.stop()
-        draft.stop()
 
 
 def test_draft_out_of_kv_slots_keeps_the_stream(demo_models, tmp_path):
@@ -206,18 +183,13 @@ def test_draft_out_of_kv_slots_keeps_the_stream(demo_models, tmp_path):
     frees (the draft reports them unknown and the target re-sends them), the stream never breaks."""
     draft = start_draft(demo_models.draft, tmp_path, "--max-batch-size", "2").wait_ready()
     target = start_target(demo_models.target, tmp_path, draft).wait_ready()
-    try:
+    with running(draft, target):
         ps = prompts(6, seed=9)
-        plain = generate_many(target.address, [request(p, k=0) for p in ps], 6)
-        spec = generate_many(target.address, [request(p) for p in ps], 6)
-        assert_same(spec, plain)
+        spec, _ = speculative_equals_plain(target.address, ps, 6)
         assert sum(r.usage.drafted_tokens > 0 for r in spec) >= 2
         assert target.metric("specsplit_draft_reconnects_total") == 0
         assert target.metric("specsplit_draft_connected") == 1
         assert draft.metric("specsplit_kv_slots_used") <= 2
-    finally:
-        target.stop()
-        draft.stop()
 
 
 def test_sampled_first_token_follows_the_target_distribution(demo_models, tmp_path):
@@ -237,14 +209,11 @@ def test_sampled_first_token_follows_the_target_distribution(demo_models, tmp_pa
     draft = start_draft(demo_models.draft, tmp_path, "--draft-sampling", "sampled",
                         "--no-use-local-argmax-reduction").wait_ready()  # fmt: skip
     target = start_target(demo_models.target, tmp_path, draft).wait_ready()
-    try:
+    with running(draft, target):
         n = 1500
         reqs = [request(prompt, max_new_tokens=1, temperature=1.0, seed=s) for s in range(n)]
         results = generate_many(target.address, reqs, 16)
         assert sum(r.usage.drafted_tokens for r in results) > 0
-    finally:
-        target.stop()
-        draft.stop()
     counts = torch.bincount(torch.tensor([r.ids[0] for r in results]), minlength=p.numel()).double()
     chi2, df = chi_square(counts, p)
     assert df >= 5, "too few bins for a meaningful test"

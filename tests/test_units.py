@@ -146,3 +146,23 @@ def test_malformed_draft_proposals_are_dropped():
     ]
     for p in bad:
         assert checked_proposal(p, 4) == ([], None), p
+
+
+@pytest.mark.parametrize("byte_level", [False, True])
+def test_windowed_decoding_streams_exactly_the_full_decode(tokenizer, byte_level):
+    """Random ids, including bytes that split UTF-8 characters: the streamed text, flushed, equals one
+    decode of the whole output, and the streamed ids are the output."""
+    import random
+
+    tok = load_tokenizer("/nonexistent-dir-uses-byte-level") if byte_level else tokenizer
+    rng = random.Random(3)
+    ids = [rng.randrange(256 if byte_level else tok.vocab_size) for _ in range(400)]
+    detok = StreamDetokenizer(tok, ["zzzz"])
+    texts, sent = [], []
+    for i in range(0, len(ids), 5):
+        delta = detok.push(ids[i : i + 5])
+        texts.append(delta.text)
+        sent += delta.token_ids
+    rest = detok.flush()
+    assert "".join(texts) + rest.text == tok.decode(ids)
+    assert sent + rest.token_ids == ids
