@@ -1,8 +1,12 @@
 """Prometheus metrics for the draft and target services.
 
-One `ServiceMetrics` per service process. Every series carries `service` and `model`
-labels (constant per process) so one dashboard and one set of rules serve both
-services and several models. Conventions (checked by `promtool check metrics` in
+One `ServiceMetrics` per service process. Every series carries `role` (target|draft) and
+`model` labels (constant per process) so one dashboard and one set of rules serve both
+services and several models. The label is `role`, not `service`: a Prometheus Operator
+scrape attaches the target labels `service`, `pod`, `namespace`, `job`, `instance`,
+`container` and `endpoint`, and an application label of the same name would be renamed
+`exported_<name>` (RESERVED_LABELS; tests/test_prometheus_live.py scrapes through that
+relabelling). Conventions (checked by `promtool check metrics` in
 tests): prefix `specsplit_`, base units, `_total` only on counters, no colons, no
 per-request labels. docs/metrics.md lists every series and who increments it.
 """
@@ -29,6 +33,10 @@ REQUEST_BUCKETS = (
 )  # fmt: skip
 
 GRPC_DIRECTIONS = ("sent", "received")
+# Labels a scrape attaches to every series (Prometheus: job, instance; a Prometheus Operator
+# ServiceMonitor/PodMonitor: namespace, service, pod, container, endpoint). No exported label may
+# use one of these names.
+RESERVED_LABELS = ("job", "instance", "namespace", "service", "pod", "container", "endpoint")
 
 CommStats = Callable[[], dict[tuple[str, str], tuple[int, int]]]
 
@@ -40,11 +48,11 @@ class TPCommCollector(Collector):
     scrape time keeps the hot path free of any Prometheus call.
     """
 
-    def __init__(self, service: str, model: str, comm_stats: CommStats | None):
-        self.service, self.model, self.comm_stats = service, model, comm_stats
+    def __init__(self, role: str, model: str, comm_stats: CommStats | None):
+        self.role, self.model, self.comm_stats = role, model, comm_stats
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        labels = ["service", "model", "op", "site"]
+        labels = ["role", "model", "op", "site"]
         calls = CounterMetricFamily(
             PREFIX + "tp_comm_calls", "Tensor-parallel collective calls, by op and call site.", labels=labels
         )
@@ -55,14 +63,14 @@ class TPCommCollector(Collector):
         )
         stats = self.comm_stats() if self.comm_stats is not None else {}
         for (op, site), (n_calls, n_bytes) in sorted(stats.items()):
-            calls.add_metric([self.service, self.model, op, site], n_calls)
-            nbytes.add_metric([self.service, self.model, op, site], n_bytes)
+            calls.add_metric([self.role, self.model, op, site], n_calls)
+            nbytes.add_metric([self.role, self.model, op, site], n_bytes)
         yield calls
         yield nbytes
 
 
 class ServiceMetrics:
-    """All metrics of one service process, children pre-labelled with service and model.
+    """All metrics of one service process, children pre-labelled with role and model.
 
     Pass a fresh CollectorRegistry to have several instances in one process (tests);
     two instances on the same registry raise ValueError (duplicated timeseries).
@@ -70,27 +78,27 @@ class ServiceMetrics:
 
     def __init__(
         self,
-        service: str,
+        role: str,
         model: str,
         registry: CollectorRegistry = REGISTRY,
         comm_stats: CommStats | None = None,
     ):
-        if not service or not model:
-            raise ValueError(f"ServiceMetrics needs non-empty service and model, got {service=!r} {model=!r}")
-        self.service, self.model = service, model
-        base = ("service", "model")
+        if not role or not model:
+            raise ValueError(f"ServiceMetrics needs non-empty role and model, got {role=!r} {model=!r}")
+        self.role, self.model = role, model
+        base = ("role", "model")
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
             return Histogram(PREFIX + name, doc, base, registry=registry, buckets=buckets).labels(
-                service, model
+                role, model
             )
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
             family = Counter(PREFIX + name, doc, base + extra, registry=registry)
-            return family.labels(service, model) if not extra else family
+            return family.labels(role, model) if not extra else family
 
         def gauge(name: str, doc: str):
-            return Gauge(PREFIX + name, doc, base, registry=registry).labels(service, model)
+            return Gauge(PREFIX + name, doc, base, registry=registry).labels(role, model)
 
         # Latency histograms.
         self.tpot = histogram(
@@ -169,34 +177,37 @@ class ServiceMetrics:
         self.kv_slots_used = gauge("kv_slots_used", "KV cache slots held by requests.")
         # A gauge may not end in _total (promtool lint), hence _capacity for the attribute kv_slots_total.
         self.kv_slots_total = gauge("kv_slots_capacity", "KV cache slots available in total.")
+        # /metrics is served from process start, before the model loads: alerts on a pod's other gauges
+        # (draft_connected, slots) are gated on this, and a pod stuck at 0 has its own alert.
+        self.ready = gauge("ready", "1 once the model is loaded and requests are served; 0 while loading or draining.")
         self.draft_connected = gauge(
             "draft_connected", "1 while the target holds a healthy stream to the draft service, else 0."
         )
         self._info = Info(
             PREFIX + "service", "Static facts about this service process.", base, registry=registry
         )
-        self._info.labels(service, model).info({})
+        self._info.labels(role, model).info({})
 
-        registry.register(TPCommCollector(service, model, comm_stats))
+        registry.register(TPCommCollector(role, model, comm_stats))
 
     def accepted_at_position(self, position: int):
         """Counter child for draft position `position`, 0-based (0 = first drafted token)."""
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise ValueError(f"position must be an int >= 0 (0-based draft position), got {position!r}")
-        return self._accepted_per_position.labels(self.service, self.model, str(position))
+        return self._accepted_per_position.labels(self.role, self.model, str(position))
 
     def finished(self, reason: str):
-        return self._finished.labels(self.service, self.model, _label("reason", reason))
+        return self._finished.labels(self.role, self.model, _label("reason", reason))
 
     def request_error(self, code: str):
-        return self._errors.labels(self.service, self.model, _label("code", code))
+        return self._errors.labels(self.role, self.model, _label("code", code))
 
     def grpc_bytes(self, direction: str, kind: str):
-        return self._grpc_bytes.labels(self.service, self.model, _direction(direction), _label("kind", kind))
+        return self._grpc_bytes.labels(self.role, self.model, _direction(direction), _label("kind", kind))
 
     def grpc_messages(self, direction: str, kind: str):
         return self._grpc_messages.labels(
-            self.service, self.model, _direction(direction), _label("kind", kind)
+            self.role, self.model, _direction(direction), _label("kind", kind)
         )
 
     def count_grpc_message(self, direction: str, kind: str, nbytes: int) -> None:
@@ -214,7 +225,7 @@ class ServiceMetrics:
 
     def set_info(self, **facts: object) -> None:
         """Sets specsplit_service_info labels, e.g. tp_size=2, device="cuda", dtype="bfloat16"."""
-        self._info.labels(self.service, self.model).info({k: str(v) for k, v in facts.items()})
+        self._info.labels(self.role, self.model).info({k: str(v) for k, v in facts.items()})
 
 
 def _label(field: str, value: str) -> str:

@@ -3,6 +3,9 @@
 - kubernetes/base/specsplit-dashboard.json: the Grafana dashboard, built with grafana-foundation-sdk.
 - kubernetes/base/prometheusrule.yaml: the PrometheusRule CR wrapping prometheus/*.rules.yaml, so
   promtool checks and tests exactly the rules the cluster runs.
+- prometheus/thresholds.<overlay>.rules.yaml and kubernetes/overlays/<overlay>/alert-thresholds.yaml:
+  each overlay's alert thresholds (THRESHOLDS below) as recorded constants the alerts compare with
+  `on (namespace)`, as a plain rule file for promtool and as the PrometheusRule the overlay installs.
 
     python deploy/generate.py          # rewrite both files
     python deploy/generate.py --check  # exit 1 if a committed file differs from the generator
@@ -29,10 +32,31 @@ DEPLOY = Path(__file__).resolve().parent
 DASHBOARD_PATH = DEPLOY / "kubernetes" / "base" / "specsplit-dashboard.json"
 PROMETHEUS_RULE_PATH = DEPLOY / "kubernetes" / "base" / "prometheusrule.yaml"
 RULE_FILES = (DEPLOY / "prometheus" / "recording.rules.yaml", DEPLOY / "prometheus" / "alerts.rules.yaml")
+OVERLAYS = DEPLOY / "kubernetes" / "overlays"
+THRESHOLD_SERIES = "namespace:specsplit_alert_threshold:constant"
+
+# Alert thresholds per overlay (docs/runbook.md explains each). TPOT: a GPU pair decodes at 1-5 ms per
+# token, the CPU demo at 20-100 ms, so one number would either never fire on GPUs or always on CPUs.
+THRESHOLDS: dict[str, dict[str, float]] = {
+    "cpu-dev": {
+        "tpot_p99_seconds": 0.5,
+        "acceptance_ratio_min": 0.2,
+        "fallback_step_ratio": 0.25,
+        "request_error_ratio": 0.05,
+        "draft_slot_utilization": 0.9,
+    },
+    "gpu": {
+        "tpot_p99_seconds": 0.02,
+        "acceptance_ratio_min": 0.3,
+        "fallback_step_ratio": 0.1,
+        "request_error_ratio": 0.01,
+        "draft_slot_utilization": 0.9,
+    },
+}
 
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-SEL = 'model=~"$model", service=~"$service"'
-TARGET = 'model=~"$model", service="target"'
+SEL = 'model=~"$model", role=~"$role"'
+TARGET = 'model=~"$model", role="target"'
 
 
 def rate(metric: str, selector: str) -> str:
@@ -40,11 +64,11 @@ def rate(metric: str, selector: str) -> str:
 
 
 def quantiles(metric: str, selector: str, qs: tuple[float, ...] = (0.5, 0.99)) -> list[tuple[str, str]]:
-    by = "sum by (model, service, le)"
+    by = "sum by (model, role, le)"
     return [
         (
             f"histogram_quantile({q}, {by} ({rate(metric + '_bucket', selector)}))",
-            f"p{round(q * 100)} {{{{service}}}}",
+            f"p{round(q * 100)} {{{{role}}}}",
         )
         for q in qs
     ]
@@ -68,7 +92,7 @@ ACCEPTED, DRAFT_TOKENS, DRAFTS = (
 )
 FALLBACKS, RECONNECTS = "specsplit_spec_fallback_steps_total", "specsplit_draft_reconnects_total"
 HITS, MISSES = "specsplit_draft_ahead_hits_total", "specsplit_draft_ahead_misses_total"
-MODEL = 'model=~"$model", service="draft"'  # draft-ahead is counted by the draft only
+MODEL = 'model=~"$model", role="draft"'  # draft-ahead is counted by the draft only
 
 # Rows of panels. Units are Grafana unit ids. Queries read exported series only (no recording rules), so
 # the dashboard works before the PrometheusRule is installed and the scrape test can check every name.
@@ -105,19 +129,19 @@ ROWS: list[tuple[str, list[dict]]] = [
     ]),
     ("Communication", [
         panel("TP collective bytes/s by op and site", "Bps",
-              [(f"sum by (service, op, site) ({rate('specsplit_tp_comm_bytes_total', SEL)})",
-                "{{service}} {{op}} {{site}}")],
+              [(f"sum by (role, op, site) ({rate('specsplit_tp_comm_bytes_total', SEL)})",
+                "{{role}} {{op}} {{site}}")],
               "Bytes sent in TP collectives, summed over the ranks that report them."),
         panel("TP bytes per draft token", "bytes",
-              [(f"sum by (model, service) ({rate('specsplit_tp_comm_bytes_total', SEL)})"
-                f" / sum by (model, service) ({rate(DRAFT_TOKENS, SEL)})", "{{service}} {{model}}")],
+              [(f"sum by (model, role) ({rate('specsplit_tp_comm_bytes_total', SEL)})"
+                f" / sum by (model, role) ({rate(DRAFT_TOKENS, SEL)})", "{{role}} {{model}}")],
               "Each service's TP bytes over the draft tokens it counted (the draft: proposed)."),
         panel("gRPC payload bytes/s", "Bps",
-              [(f"sum by (service, direction, kind) ({rate('specsplit_grpc_payload_bytes_total', SEL)})",
-                "{{service}} {{direction}} {{kind}}")]),
+              [(f"sum by (role, direction, kind) ({rate('specsplit_grpc_payload_bytes_total', SEL)})",
+                "{{role}} {{direction}} {{kind}}")]),
         panel("gRPC bytes per generated token", "bytes",
               [(per("specsplit_grpc_payload_bytes_total", SEL, "specsplit_generation_tokens_total", TARGET,
-                    by="model, service"), "{{service}} {{model}}")]),
+                    by="model, role"), "{{role}} {{model}}")]),
     ]),
     ("Steps", [
         panel("Draft vs verify step time", "s",
@@ -128,13 +152,13 @@ ROWS: list[tuple[str, list[dict]]] = [
     ]),
     ("Load", [
         panel("Running and waiting requests", "short", [
-            (f"sum by (service) (specsplit_running_requests{{{SEL}}})", "running {{service}}"),
-            (f"sum by (service) (specsplit_waiting_requests{{{SEL}}})", "waiting {{service}}"),
+            (f"sum by (role) (specsplit_running_requests{{{SEL}}})", "running {{role}}"),
+            (f"sum by (role) (specsplit_waiting_requests{{{SEL}}})", "waiting {{role}}"),
         ]),
-        panel("Batch size", "short", [(f"avg by (service) (specsplit_batch_size{{{SEL}}})", "{{service}}")]),
+        panel("Batch size", "short", [(f"avg by (role) (specsplit_batch_size{{{SEL}}})", "{{role}}")]),
         panel("KV slot usage", "percentunit",
-              [(f"sum by (service) (specsplit_kv_slots_used{{{SEL}}})"
-                f" / sum by (service) (specsplit_kv_slots_capacity{{{SEL}}})", "{{service}}")]),
+              [(f"sum by (role) (specsplit_kv_slots_used{{{SEL}}})"
+                f" / sum by (role) (specsplit_kv_slots_capacity{{{SEL}}})", "{{role}}")]),
         panel("Draft connected", "short",
               [(f"min by (pod) (specsplit_draft_connected{{{TARGET}}})", "{{pod}}")],
               "1 while a target pod holds a healthy stream to the draft service."),
@@ -154,7 +178,7 @@ def build_dashboard() -> dict:
         .with_variable(gd.DatasourceVariable("datasource").label("Data source").type("prometheus"))
         .with_variable(label_variable("model", "label_values(specsplit_service_info, model)"))
         .with_variable(
-            label_variable("service", 'label_values(specsplit_service_info{model=~"$model"}, service)')
+            label_variable("role", 'label_values(specsplit_service_info{model=~"$model"}, role)')
         )
     )
     panel_id = 0
@@ -231,22 +255,55 @@ def _str_presenter(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _LiteralBlockDumper.add_representer(str, _str_presenter)
 
 
-def prometheus_rule_yaml() -> str:
-    groups = [group for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]]
-    rule = {
+def _dump(header: str, doc: dict) -> str:
+    return header + yaml.dump(doc, Dumper=_LiteralBlockDumper, sort_keys=False, explicit_start=True, width=1000)
+
+
+def _prometheus_rule(name: str, groups: list[dict]) -> dict:
+    return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": "specsplit", "labels": {"app.kubernetes.io/part-of": "specsplit"}},
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "specsplit"}},
         "spec": {"groups": groups},
     }
+
+
+def prometheus_rule_yaml() -> str:
+    groups = [group for path in RULE_FILES for group in yaml.safe_load(path.read_text())["groups"]]
     header = "# Generated by deploy/generate.py from deploy/prometheus/*.rules.yaml; do not edit.\n"
-    return header + yaml.dump(
-        rule, Dumper=_LiteralBlockDumper, sort_keys=False, explicit_start=True, width=1000
-    )
+    return _dump(header, _prometheus_rule("specsplit", groups))
+
+
+def overlay_namespace(overlay: str) -> str:
+    kustomization = yaml.safe_load((OVERLAYS / overlay / "kustomization.yaml").read_text())
+    return kustomization["namespace"]
+
+
+def threshold_groups(overlay: str) -> list[dict]:
+    """One recorded constant per threshold, labelled with the overlay's namespace (the alerts join on it)."""
+    namespace = overlay_namespace(overlay)
+    rules = [
+        {"record": THRESHOLD_SERIES, "expr": f"vector({value})",
+         "labels": {"namespace": namespace, "threshold": name}}
+        for name, value in THRESHOLDS[overlay].items()
+    ]  # fmt: skip
+    return [{"name": "specsplit.thresholds", "interval": "1m", "rules": rules}]
+
+
+def thresholds_rules_path(overlay: str) -> Path:
+    return DEPLOY / "prometheus" / f"thresholds.{overlay}.rules.yaml"
 
 
 def outputs() -> dict[Path, str]:
-    return {DASHBOARD_PATH: dashboard_json(), PROMETHEUS_RULE_PATH: prometheus_rule_yaml()}
+    files = {DASHBOARD_PATH: dashboard_json(), PROMETHEUS_RULE_PATH: prometheus_rule_yaml()}
+    header = "# Generated by deploy/generate.py (THRESHOLDS); do not edit.\n"
+    for overlay in THRESHOLDS:
+        groups = threshold_groups(overlay)
+        files[thresholds_rules_path(overlay)] = _dump(header, {"groups": groups})
+        files[OVERLAYS / overlay / "alert-thresholds.yaml"] = _dump(
+            header, _prometheus_rule("specsplit-alert-thresholds", groups)
+        )
+    return files
 
 
 def main() -> int:

@@ -14,7 +14,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.metrics import ServiceMetrics, start_metrics_server
+from common.metrics import RESERVED_LABELS, ServiceMetrics, start_metrics_server
 from tests.tools import need
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +73,7 @@ def samples(text: str) -> dict[tuple[str, frozenset], float]:
 def test_scrape_has_exact_values_and_labels():
     _, _, port = exercised()
     got = samples(scrape(port))
-    base = {("service", "target"), ("model", "tiny")}
+    base = {("role", "target"), ("model", "tiny")}
 
     def value(name, **labels):
         return got[(name, frozenset(base | set(labels.items())))]
@@ -94,6 +94,9 @@ def test_scrape_has_exact_values_and_labels():
     assert value("specsplit_service_info", tp_size="2", device="cpu", dtype="float32") == 1
     names = {name for name, _ in got}
     assert all(n.startswith("specsplit_") and ":" not in n for n in names)
+    # A scrape target label (service, pod, ...) in the exposition would become exported_<name>.
+    exported_labels = {label for _, labels in got for label, _ in labels}
+    assert not exported_labels & set(RESERVED_LABELS), exported_labels & set(RESERVED_LABELS)
 
 
 def test_comm_stats_are_read_at_scrape_time():
@@ -101,7 +104,7 @@ def test_comm_stats_are_read_at_scrape_time():
     stats = {("all_reduce", "attn"): (1, 100)}
     ServiceMetrics("draft", "tiny", registry, comm_stats=lambda: dict(stats))
     port = start_metrics_server(0, "127.0.0.1", registry)
-    labels = {("service", "draft"), ("model", "tiny"), ("op", "all_reduce"), ("site", "attn")}
+    labels = {("role", "draft"), ("model", "tiny"), ("op", "all_reduce"), ("site", "attn")}
     key = ("specsplit_tp_comm_bytes_total", frozenset(labels))
     assert samples(scrape(port))[key] == 100
     stats[("all_reduce", "attn")] = (2, 300)
@@ -121,7 +124,7 @@ def test_two_services_in_one_process_and_bad_input():
         m.accepted_at_position(-1)
     with pytest.raises(ValueError, match="'reason'"):
         m.finished("")
-    with pytest.raises(ValueError, match="service"):
+    with pytest.raises(ValueError, match="role"):
         ServiceMetrics("", "m", CollectorRegistry())
 
 
@@ -130,7 +133,7 @@ def test_tpot_skips_single_token_requests():
     m = ServiceMetrics("target", "m", registry)
     m.observe_tpot(0.5, 1)
     m.observe_tpot(0.5, 11)
-    labels = {"service": "target", "model": "m"}
+    labels = {"role": "target", "model": "m"}
     assert registry.get_sample_value("specsplit_time_per_output_token_seconds_count", labels) == 1
     assert registry.get_sample_value("specsplit_time_per_output_token_seconds_sum", labels) == pytest.approx(
         0.05
