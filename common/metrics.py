@@ -36,6 +36,11 @@ GRPC_DIRECTIONS = ("sent", "received")
 # Labels a scrape attaches to every series (Prometheus: job, instance; a Prometheus Operator
 # ServiceMonitor/PodMonitor: namespace, service, pod, container, endpoint). No exported label may
 # use one of these names.
+# gRPC status codes (lower-case names) that are the service's failure, not the client's: the error-ratio
+# rule counts these. Their children exist from start-up, so rate() sees a first error.
+SERVER_ERROR_CODES = (
+    "internal", "unavailable", "resource_exhausted", "deadline_exceeded", "unknown", "data_loss", "aborted",
+)  # fmt: skip
 RESERVED_LABELS = ("job", "instance", "namespace", "service", "pod", "container", "endpoint")
 
 CommStats = Callable[[], dict[tuple[str, str], tuple[int, int]]]
@@ -89,9 +94,7 @@ class ServiceMetrics:
         base = ("role", "model")
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(PREFIX + name, doc, base, registry=registry, buckets=buckets).labels(
-                role, model
-            )
+            return Histogram(PREFIX + name, doc, base, registry=registry, buckets=buckets).labels(role, model)
 
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
             family = Counter(PREFIX + name, doc, base + extra, registry=registry)
@@ -179,7 +182,9 @@ class ServiceMetrics:
         self.kv_slots_total = gauge("kv_slots_capacity", "KV cache slots available in total.")
         # /metrics is served from process start, before the model loads: alerts on a pod's other gauges
         # (draft_connected, slots) are gated on this, and a pod stuck at 0 has its own alert.
-        self.ready = gauge("ready", "1 once the model is loaded and requests are served; 0 while loading or draining.")
+        self.ready = gauge(
+            "ready", "1 once the model is loaded and requests are served; 0 while loading or draining."
+        )
         self.draft_connected = gauge(
             "draft_connected", "1 while the target holds a healthy stream to the draft service, else 0."
         )
@@ -188,6 +193,8 @@ class ServiceMetrics:
         )
         self._info.labels(role, model).info({})
 
+        for code in SERVER_ERROR_CODES:
+            self.request_error(code)
         registry.register(TPCommCollector(role, model, comm_stats))
 
     def accepted_at_position(self, position: int):
@@ -206,9 +213,7 @@ class ServiceMetrics:
         return self._grpc_bytes.labels(self.role, self.model, _direction(direction), _label("kind", kind))
 
     def grpc_messages(self, direction: str, kind: str):
-        return self._grpc_messages.labels(
-            self.role, self.model, _direction(direction), _label("kind", kind)
-        )
+        return self._grpc_messages.labels(self.role, self.model, _direction(direction), _label("kind", kind))
 
     def count_grpc_message(self, direction: str, kind: str, nbytes: int) -> None:
         """Counts one message and its serialized size (message.ByteSize())."""

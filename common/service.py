@@ -1,4 +1,11 @@
-"""The gRPC front both services share: server, TLS, auth, health, reflection, metrics port, drain."""
+"""The gRPC front both services share: server, TLS, auth, health, reflection, metrics port, drain.
+
+Start-up order (both services): `open_front` binds and starts the gRPC port, the optional plaintext
+health port and /metrics BEFORE the model loads. Until `Front.start` the health service answers
+NOT_SERVING, every RPC answers UNAVAILABLE (`PendingServicer`), and `specsplit_ready` is 0; so a
+kubelet probe or a Prometheus scrape during a ten-minute model load sees a live process that is not
+ready yet, not a dead one (SpecsplitServiceDown keys on the scrape failing).
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,12 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import grpc
-from grpc_health.v1 import health
+from google.protobuf.descriptor import ServiceDescriptor
+from grpc_health.v1 import health, health_pb2_grpc
 
 from common.distributed import comm_stats
 from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
@@ -19,6 +29,31 @@ from common.settings import ServiceConfig
 log = logging.getLogger("specsplit")
 
 
+class PendingServicer:
+    """Stands in for a service's servicer until `attach`: every RPC answers UNAVAILABLE before that.
+
+    gRPC needs its handlers before the server starts, and the real servicer needs the loaded model; this
+    lets the port (and health, NOT_SERVING) come up first. One method per RPC of `service`.
+    """
+
+    def __init__(self, service: ServiceDescriptor):
+        self._servicer: Any = None
+        for method in service.methods:
+            setattr(self, method.name, self._forward(method.name))
+
+    def attach(self, servicer: object) -> None:
+        self._servicer = servicer
+
+    def _forward(self, name: str) -> Callable:
+        def call(request: Any, context: grpc.ServicerContext) -> Any:
+            servicer = self._servicer
+            if servicer is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+            return getattr(servicer, name)(request, context)
+
+        return call
+
+
 @dataclass
 class Front:
     server: grpc.Server
@@ -26,37 +61,83 @@ class Front:
     service_name: str
     port: int
     metrics_port: int
+    metrics: ServiceMetrics
+    pending: PendingServicer
+    health_server: grpc.Server | None = None
+    health_port: int = -1
 
     def set_serving(self, serving: bool) -> None:
         set_health(self.health, [self.service_name], serving)
+        self.metrics.ready.set(1 if serving else 0)
 
-    def start(self, detail: str = "") -> None:
-        self.server.start()
+    def start(self, servicer: object, detail: str = "") -> None:
+        """The model is loaded: route RPCs to `servicer` and report SERVING."""
+        self.pending.attach(servicer)
         self.set_serving(True)
         log.info("ready: grpc port %d, metrics port %d%s", self.port, self.metrics_port, detail)
         # Launchers (specsplit.launch, the demo) wait for this line.
         print(f"SPECSPLIT_READY grpc={self.port} metrics={self.metrics_port}", flush=True)
 
+    def stop(self, grace: float) -> None:
+        self.server.stop(grace=grace).wait()
+        if self.health_server is not None:
+            self.health_server.stop(grace=0).wait()
 
-def service_metrics(
-    service: str, model: str, config: ServiceConfig, tp_size: int, **info: object
-) -> ServiceMetrics:
+
+def model_label(config: ServiceConfig) -> str:
+    """The `model` metric label and served model name: --served-model-name, else the checkpoint's name."""
+    return config.served_model_name or Path(config.model.rstrip("/")).name
+
+
+def service_metrics(role: str, config: ServiceConfig, **info: object) -> ServiceMetrics:
     """The service's metrics with the facts every service exports (KV capacity, TP size, device, dtype)."""
-    metrics = ServiceMetrics(service, model, comm_stats=comm_stats)
+    metrics = ServiceMetrics(role, model_label(config), comm_stats=comm_stats)
     metrics.kv_slots_total.set(config.max_batch_size)
-    metrics.set_info(tp_size=tp_size, device=config.device, dtype=config.dtype, **info)
+    metrics.ready.set(0)
+    metrics.set_info(tp_size=config.tp_size, device=config.device, dtype=config.dtype, **info)
     return metrics
 
 
-def build_front(config: ServiceConfig, service_name: str, register: Callable[[grpc.Server], None]) -> Front:
-    """Binds everything; raises ValueError naming the flag on bad TLS/token/port settings."""
+def open_front(
+    config: ServiceConfig,
+    service: ServiceDescriptor,
+    register: Callable[[object, grpc.Server], None],
+    metrics: ServiceMetrics,
+) -> Front:
+    """Binds and starts gRPC (NOT_SERVING, RPCs UNAVAILABLE), the health port and /metrics.
+
+    `register(servicer, server)` is the generated add_<Service>Servicer_to_server. Raises ValueError
+    naming the flag on bad TLS/token/port settings.
+    """
+    pending = PendingServicer(service)
     server = make_server(config.grpc_workers, config.auth_token_file or None)
-    register(server)
-    health_servicer = add_health_and_reflection(server, [service_name])
+    register(pending, server)
+    health_servicer = add_health_and_reflection(server, [service.full_name])
     port = add_port(server, f"{config.host}:{config.port}", config.tls_cert or None, config.tls_key or None,
                     config.tls_client_ca or None)  # fmt: skip
+    health_server, health_port = None, -1
+    if config.health_port >= 0:
+        health_server, health_port = _health_only_server(config, health_servicer)
     metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
-    return Front(server, health_servicer, service_name, port, metrics_port)
+    server.start()
+    if health_server is not None:
+        health_server.start()
+    log.info("listening: grpc port %d, health port %d, metrics port %d (loading)", port, health_port,
+             metrics_port)  # fmt: skip
+    return Front(server, health_servicer, service.full_name, port, metrics_port, metrics, pending,
+                 health_server, health_port)  # fmt: skip
+
+
+def _health_only_server(
+    config: ServiceConfig, health_servicer: health.HealthServicer
+) -> tuple[grpc.Server, int]:
+    """Plaintext grpc.health.v1 only, same status as the main port: kubelet's gRPC probes speak no TLS."""
+    server = make_server(4, None)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{config.host}:{config.health_port}")
+    if port == 0:
+        raise ValueError(f"--health-port: cannot bind {config.host}:{config.health_port}")
+    return server, port
 
 
 def serve_until_drained(drain: Callable[[], None]) -> None:

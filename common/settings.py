@@ -111,6 +111,13 @@ class ServiceConfig:
     host: str = flag("0.0.0.0", "gRPC bind address")
     port: int = flag(50051, "gRPC port (0 = pick a free one)")
     metrics_port: int = flag(9400, "Prometheus /metrics port (0 = pick a free one, -1 = off)")
+    health_port: int = flag(
+        -1,
+        "plaintext port serving only grpc.health.v1, for kubelet probes under TLS (0 = free one, -1 = off)",
+    )
+    served_model_name: str = flag(
+        "", "name in the `model` metric label and GetModelInfo (default: checkpoint name)"
+    )
     max_batch_size: int = flag(32, "concurrent requests (= KV slots)")
     max_context_length: int = flag(4096, "longest sequence a request may reach (capped by the model's)")
     cuda_graphs: bool = flag(

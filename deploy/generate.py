@@ -177,9 +177,7 @@ def build_dashboard() -> dict:
         .tooltip(DashboardCursorSync.CROSSHAIR)
         .with_variable(gd.DatasourceVariable("datasource").label("Data source").type("prometheus"))
         .with_variable(label_variable("model", "label_values(specsplit_service_info, model)"))
-        .with_variable(
-            label_variable("role", 'label_values(specsplit_service_info{model=~"$model"}, role)')
-        )
+        .with_variable(label_variable("role", 'label_values(specsplit_service_info{model=~"$model"}, role)'))
     )
     panel_id = 0
     for row_title, panels in ROWS:
@@ -256,7 +254,9 @@ _LiteralBlockDumper.add_representer(str, _str_presenter)
 
 
 def _dump(header: str, doc: dict) -> str:
-    return header + yaml.dump(doc, Dumper=_LiteralBlockDumper, sort_keys=False, explicit_start=True, width=1000)
+    return header + yaml.dump(
+        doc, Dumper=_LiteralBlockDumper, sort_keys=False, explicit_start=True, width=1000
+    )
 
 
 def _prometheus_rule(name: str, groups: list[dict]) -> dict:

@@ -8,7 +8,7 @@ import time
 
 from common.kv_cache import SlotTable
 from common.logs import setup_logging
-from common.service import build_front, serve_until_drained, service_metrics
+from common.service import model_label, open_front, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tp_executor import launch_tp
 from draft_service.config import DraftConfig
@@ -17,12 +17,19 @@ from draft_service.server import DraftServicer
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specsplit.draft")
-SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+SERVICE = draft_pb2.DESCRIPTOR.services_by_name["DraftService"]
 
 
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(DraftConfig, argv, "specsplit serve-draft", "Draft service for specsplit.")
     setup_logging(config.log_format, config.log_level, "draft")
+    # Metrics, health (NOT_SERVING) and the gRPC port (UNAVAILABLE) come up before the model loads.
+    metrics = service_metrics("draft", config, method=config.method)
+    try:
+        front = open_front(config, SERVICE, draft_pb2_grpc.add_DraftServiceServicer_to_server, metrics)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     log.info(
         "loading draft model %s (tp=%d, %s, %s, %s)",
         config.model,
@@ -37,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         runner = DraftRunner(comm, config)
     except (ValueError, FileNotFoundError) as exc:
         log.error("cannot load the draft model: %s", exc)
+        front.stop(grace=0)
         return 2
     mc = runner.model.config
     log.info(
@@ -47,36 +55,24 @@ def main(argv: list[str] | None = None) -> int:
         f"rank {mc.markov_rank} ({config.markov_head_mode})" if mc.markov_rank else "off",
         runner.graphs,
     )
-
-    metrics = service_metrics(
-        "draft",
-        mc.name,
-        config,
-        comm.world_size,
+    metrics.set_info(
+        tp_size=comm.world_size,
+        device=config.device,
+        dtype=config.dtype,
         method=config.method,
         markov_head_mode=config.markov_head_mode if mc.markov_rank else "none",
     )
     state = DraftState(runner, SlotTable(config.max_batch_size))
     servicer = DraftServicer(
-        config, state, metrics, mc.name, mc.vocab_size, comm.world_size, mc.markov_rank > 0
+        config, state, metrics, model_label(config), mc.vocab_size, comm.world_size, mc.markov_rank > 0
     )
     servicer.max_target_id = runner.max_target_id()
-
-    try:
-        front = build_front(
-            config,
-            SERVICE_NAME,
-            lambda server: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, server),
-        )
-    except ValueError as exc:
-        log.error("%s", exc)
-        return 2
-    front.start()
+    front.start(servicer)
 
     def drain() -> None:
         front.set_serving(False)
         # Targets fall back to plain decoding on their own; give open streams a moment.
-        front.server.stop(grace=5).wait()
+        front.stop(grace=5)
 
     serve_until_drained(drain)
     runner.executor.shutdown()

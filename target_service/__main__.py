@@ -11,7 +11,7 @@ from common.grpc_util import (
     read_token,
 )
 from common.logs import setup_logging
-from common.service import build_front, serve_until_drained, service_metrics
+from common.service import model_label, open_front, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
 from common.tp_executor import launch_tp
@@ -23,7 +23,7 @@ from target_service.scheduler import Scheduler
 from target_service.server import TargetServicer
 
 log = logging.getLogger("specsplit.target")
-SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
 
 
 def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
@@ -37,6 +37,14 @@ def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(TargetConfig, argv, "specsplit serve-target", "Target service for specsplit.")
     setup_logging(config.log_format, config.log_level, "target")
+    # Metrics, health (NOT_SERVING) and the gRPC port (UNAVAILABLE) come up before the model loads.
+    metrics = service_metrics("target", config, verify_backend=config.verify_backend)
+    metrics.draft_connected.set(0)
+    try:
+        front = open_front(config, SERVICE, target_pb2_grpc.add_TargetServiceServicer_to_server, metrics)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     log.info(
         "loading target model %s (tp=%d, %s, %s)", config.model, config.tp_size, config.device, config.dtype
     )
@@ -47,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(config.model)
     except (ValueError, FileNotFoundError) as exc:
         log.error("cannot load the target model: %s", exc)
+        front.stop(grace=0)
         return 2
     mc = runner.model.config
     log.info(
@@ -58,10 +67,6 @@ def main(argv: list[str] | None = None) -> int:
         runner.graphs,
     )
 
-    metrics = service_metrics(
-        "target", mc.name, config, comm.world_size, verify_backend=config.verify_backend
-    )
-    metrics.draft_connected.set(0)
     try:
         link = None
         if config.draft_address:
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         eos_ids = _eos_ids(mc.eos_token_id, tokenizer)
         scheduler = Scheduler(runner, config, metrics, link, eos_ids)
         model_info = target_pb2.GetModelInfoResponse(
-            target_model=mc.name,
+            target_model=model_label(config),
             vocab_size=mc.vocab_size,
             target_tp_size=comm.world_size,
             num_speculative_tokens=config.num_speculative_tokens if link else 0,
@@ -95,13 +100,9 @@ def main(argv: list[str] | None = None) -> int:
             dtype=config.dtype,
         )
         servicer = TargetServicer(config, scheduler, metrics, tokenizer, model_info)
-        front = build_front(
-            config,
-            SERVICE_NAME,
-            lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
-        )
     except ValueError as exc:
         log.error("%s", exc)
+        front.stop(grace=0)
         return 2
 
     scheduler.start()
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         if not link.wait_connected(timeout=5.0):
             log.warning("draft %s not reachable yet: plain decoding until it is", config.draft_address)
     servicer.ready = True
-    front.start(f", verify backend {scheduler.verify_backend}")
+    front.start(servicer, f", verify backend {scheduler.verify_backend}")
 
     def drain() -> None:
         scheduler.stop_accepting()
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             log.warning("drain timeout: aborting %d requests", left)
         scheduler.stop()
-        front.server.stop(grace=2).wait()
+        front.stop(grace=2)
 
     serve_until_drained(drain)
     if link is not None:

@@ -11,6 +11,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -18,22 +19,83 @@ import yaml
 from specsplit.launch import free_port
 
 
+@dataclass(frozen=True)
+class PodTarget:
+    """One scrape target as Kubernetes service discovery would describe it."""
+
+    address: str  # 127.0.0.1:port
+    service: str  # the Service whose endpoints list the pod (ServiceMonitor) / "" (PodMonitor)
+    pod: str
+    container: str
+    port_name: str = "metrics"
+
+
+def operator_scrape_config(name: str, namespace: str, targets: list[PodTarget]) -> dict:
+    """The scrape job the Prometheus Operator generates for a ServiceMonitor, on static targets.
+
+    Kubernetes SD would attach the __meta_kubernetes_* labels; here static_configs carry them, and the
+    relabel_configs are the label-producing ones the Operator writes (prometheus-operator
+    pkg/prometheus/promcfg.go): namespace, service, pod, container, job = Service name, endpoint =
+    port name. honor_labels is false, so an application label with one of those names would be
+    renamed exported_<name>: the breakage this reproduces.
+    """
+    static = [
+        {
+            "targets": [t.address],
+            "labels": {
+                "__meta_kubernetes_namespace": namespace,
+                "__meta_kubernetes_service_name": t.service,
+                "__meta_kubernetes_pod_name": t.pod,
+                "__meta_kubernetes_pod_container_name": t.container,
+                "__meta_kubernetes_endpoint_port_name": t.port_name,
+            },
+        }
+        for t in targets
+    ]
+
+    def copy(source: str, target: str) -> dict:
+        return {"source_labels": [source], "target_label": target}
+
+    relabel = [
+        {"source_labels": ["job"], "target_label": "__tmp_prometheus_job_name"},
+        {"action": "keep", "source_labels": ["__meta_kubernetes_endpoint_port_name"], "regex": "metrics"},
+        copy("__meta_kubernetes_namespace", "namespace"),
+        copy("__meta_kubernetes_service_name", "service"),
+        copy("__meta_kubernetes_pod_name", "pod"),
+        copy("__meta_kubernetes_pod_container_name", "container"),
+        {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "job", "replacement": "${1}"},
+        {"target_label": "endpoint", "replacement": "metrics"},
+    ]
+    return {
+        "job_name": f"serviceMonitor/{namespace}/{name}/0",
+        "honor_labels": False,
+        "honor_timestamps": True,
+        "static_configs": static,
+        "relabel_configs": relabel,
+    }
+
+
 @contextlib.contextmanager
 def start_prometheus(
-    targets: dict[str, list[str]], rule_files: list[Path] = (), interval: str = "1s"
+    targets: dict[str, list[str]] | list[dict], rule_files: list[Path] = (), interval: str = "1s"
 ) -> Iterator[str]:
-    """Runs prometheus scraping {job: ["127.0.0.1:port", ...]} with rule_files loaded; yields its URL."""
+    """Runs prometheus with rule_files loaded; yields its URL. `targets` is {job: ["127.0.0.1:port", ...]}
+    (plain static jobs) or a list of whole scrape configs (e.g. operator_scrape_config)."""
     binary = shutil.which("prometheus")
     if binary is None:
         raise FileNotFoundError("prometheus binary not found (scripts/ci_deps.sh installs it)")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="specsplit-prom-") as tmp:
+        if isinstance(targets, dict):
+            scrape_configs = [
+                {"job_name": job, "static_configs": [{"targets": addrs}]} for job, addrs in targets.items()
+            ]
+        else:
+            scrape_configs = list(targets)
         config = {
             "global": {"scrape_interval": interval, "evaluation_interval": interval},
             "rule_files": [str(Path(p).resolve()) for p in rule_files],
-            "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": addrs}]} for job, addrs in targets.items()
-            ],
+            "scrape_configs": scrape_configs,
         }
         config_path = Path(tmp) / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))

@@ -195,9 +195,13 @@ def test_recording_rules_on_real_prometheus(tmp_path):
         target.accepted_at_position(0).inc(10)
         target.accepted_at_position(3).inc(5)
         stats[("all_gather", "local_argmax")] = (40, 40 * 2 * 2 * 8)  # 2 values x tp 2 x 8 bytes per token
-        acceptance = wait_for_value(url, "model:specsplit_spec_acceptance:ratio_rate5m", timeout=120)
+        acceptance = wait_for_value(
+            url, "namespace_model:specsplit_spec_acceptance:ratio_rate5m", timeout=120
+        )
         assert acceptance == pytest.approx(0.75, rel=1e-9)
-        assert wait_for_value(url, "model:specsplit_spec_accepted_length:mean_rate5m") == pytest.approx(3.0)
-        by_position = "model_position:specsplit_spec_acceptance:ratio_rate5m"
+        assert wait_for_value(
+            url, "namespace_model:specsplit_spec_accepted_length:mean_rate5m"
+        ) == pytest.approx(3.0)
+        by_position = "namespace_model_position:specsplit_spec_acceptance:ratio_rate5m"
         by_pos = {p: wait_for_value(url, f'{by_position}{{position="{p}"}}') for p in "0123"}
         assert by_pos == pytest.approx({"0": 1.0, "1": 0.0, "2": 0.0, "3": 0.5})

@@ -1,5 +1,10 @@
 """A real Prometheus scraping the real services: a draft (TP=2 over gloo) and a target, both on CPU.
 
+Prometheus scrapes them through the relabelling a Prometheus Operator ServiceMonitor generates
+(tests/prom_util.operator_scrape_config: target labels namespace, service, pod, container, job,
+endpoint), and loads the committed recording rules, alerts and the cpu-dev overlay's thresholds; every
+recording rule, alert and dashboard query is then evaluated against that scrape and must find data.
+
 One module fixture starts the services, warms them up (so every TP comm series exists before
 Prometheus first scrapes: rate() never sees a series' first increase), starts Prometheus with the
 recording rules, and brackets the traffic with direct scrapes that Prometheus is then made to catch
@@ -12,6 +17,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import time
 import urllib.request
@@ -21,8 +27,16 @@ from pathlib import Path
 import pytest
 import yaml
 
+from common.metrics import RESERVED_LABELS
 from specsplit.launch import Samples, ServiceProcess, metric_sum
-from tests.prom_util import query, start_prometheus, values, wait_until_scraped
+from tests.prom_util import (
+    PodTarget,
+    operator_scrape_config,
+    query,
+    start_prometheus,
+    values,
+    wait_until_scraped,
+)
 from tests.service_util import generate_many, prompts, request, start_draft, start_target
 from tests.tools import need
 
@@ -35,7 +49,9 @@ pytestmark = pytest.mark.slow
 
 BYTES, TOKENS = "specsplit_tp_comm_bytes_total", "specsplit_spec_draft_tokens_total"
 TPOT = "specsplit_time_per_output_token_seconds"
-RULE_TP = "model_service:specsplit_tp_comm_bytes_per_draft_token:ratio_rate5m"
+RULE_TP = "namespace_model_role:specsplit_tp_comm_bytes_per_draft_token:ratio_rate5m"
+NAMESPACE = "specsplit-dev"  # the cpu-dev overlay's: its alert thresholds are recorded for it
+RULE_FILES = ("recording.rules.yaml", "alerts.rules.yaml", "thresholds.cpu-dev.rules.yaml")
 
 
 @dataclass
@@ -88,7 +104,7 @@ def settled(draft: ServiceProcess, target: ServiceProcess, timeout: float = 20.0
 
 def sums(service: str, samples: Samples) -> dict[str, float]:
     """PromQL sums Prometheus must show once it has scraped `samples` (counters only: they are exact)."""
-    sel = f'{{service="{service}"}}'
+    sel = f'{{role="{service}"}}'
     names = [BYTES, TOKENS] if service == "draft" else [TOKENS, "specsplit_generation_tokens_total"]
     return {f"sum({n}{sel})": metric_sum(samples, n) for n in names}
 
@@ -106,15 +122,20 @@ def live(demo_models, tmp_path_factory) -> Live:
         # Warm-up: every (op, site) comm series is created by its first collective; make them all exist,
         # with a good share of their final values, before Prometheus's first scrape.
         generate_many(target.address, [request(p, max_new_tokens=NEW_TOKENS) for p in prompts(4, seed=1)], 4)
-        # The committed rules evaluate every 30s; a copy without the group interval follows the 1s scrape.
-        groups = yaml.safe_load((ROOT / "deploy/prometheus/recording.rules.yaml").read_text())
-        for group in groups["groups"]:
-            group.pop("interval", None)
-        rules = logs / "recording.rules.yaml"
-        rules.write_text(yaml.safe_dump(groups))
-        jobs = {"specsplit-target": [f"127.0.0.1:{target.metrics_port}"],
-                "specsplit-draft": [f"127.0.0.1:{draft.metrics_port}"]}  # fmt: skip
-        with start_prometheus(jobs, [rules], interval="1s") as url:
+        # The committed rules evaluate every 30s or 1m; copies without a group interval follow the 1s scrape.
+        rules = []
+        for name in RULE_FILES:
+            groups = yaml.safe_load((ROOT / "deploy/prometheus" / name).read_text())
+            for group in groups["groups"]:
+                group.pop("interval", None)
+            rules.append(logs / name)
+            rules[-1].write_text(yaml.safe_dump(groups))
+        pods = [
+            PodTarget(f"127.0.0.1:{svc.metrics_port}", f"specsplit-{role}", f"specsplit-{role}-0", role)
+            for role, svc in (("target", target), ("draft", draft))
+        ]
+        scrape = [operator_scrape_config("specsplit", NAMESPACE, pods)]
+        with start_prometheus(scrape, rules, interval="1s") as url:
             before = settled(draft, target)
             t_before = wait_until_scraped(
                 url, sums("draft", before["draft"]) | sums("target", before["target"])
@@ -126,7 +147,7 @@ def live(demo_models, tmp_path_factory) -> Live:
             t_after = wait_until_scraped(url, sums("draft", after["draft"]) | sums("target", after["target"]))
             # Let the rules evaluate over the last scrape too.
             deadline = time.monotonic() + 15
-            while not query(url, f"timestamp({RULE_TP}{{service='draft'}}) > {t_after:.3f}"):
+            while not query(url, f"timestamp({RULE_TP}{{role='draft'}}) > {t_after:.3f}"):
                 assert time.monotonic() < deadline, "recording rules did not evaluate after the traffic"
                 time.sleep(0.2)
             texts = {"draft": raw_scrape(draft), "target": raw_scrape(target)}
@@ -141,22 +162,22 @@ def live(demo_models, tmp_path_factory) -> Live:
 
 
 def test_counters_and_histograms_grew_in_prometheus(live):
-    tpot = live.increase(f'{TPOT}_count{{service="target"}}')
+    tpot = live.increase(f'{TPOT}_count{{role="target"}}')
     assert list(tpot.values()) == [REQUESTS]  # one TPOT observation per request (all have 24 tokens)
     for name in ("specsplit_spec_accepted_tokens_total", TOKENS, "specsplit_generation_tokens_total"):
-        got = live.increase(f'{name}{{service="target"}}')
+        got = live.increase(f'{name}{{role="target"}}')
         assert list(got.values()) == [live.delta("target", name)] and live.delta("target", name) > 0, name
-    assert list(live.increase(f'{TOKENS}{{service="draft"}}').values()) == [live.delta("draft", TOKENS)]
+    assert list(live.increase(f'{TOKENS}{{role="draft"}}').values()) == [live.delta("draft", TOKENS)]
     by_op_site = {
         (dict(k)["op"], dict(k)["site"]): v
-        for k, v in live.increase(f'{BYTES}{{service="draft"}}', by="op, site").items()
+        for k, v in live.increase(f'{BYTES}{{role="draft"}}', by="op, site").items()
     }
     expected_sites = {("all_gather", "lm_head_argmax"), ("all_reduce", "attn_out"), ("all_reduce", "mlp_out"),
                       ("all_reduce", "embed"), ("broadcast", "step_broadcast")}  # fmt: skip
     assert expected_sites <= set(by_op_site)
     for (op, site), v in by_op_site.items():
         assert v == live.delta("draft", BYTES, op=op, site=site) > 0, (op, site)
-    calls = live.increase('specsplit_tp_comm_calls_total{service="draft"}')
+    calls = live.increase('specsplit_tp_comm_calls_total{role="draft"}')
     assert only(calls) > 0
     # Local argmax: one fp32 (value, index) pair per row from each rank, i.e. 2 * 4 * tp bytes per row
     # and draft position (the gathered output is counted). Every proposed token was drafted at one
@@ -171,8 +192,8 @@ def test_tp_bytes_per_draft_token_matches_the_demo(live):
     assert demo > 2 * DRAFT_TP * 8
     # The same counters through Prometheus at the two instants: exact (the counters were quiescent
     # when Prometheus took those samples, and it stores float64 as scraped).
-    raw = live.increase(f'{BYTES}{{service="draft"}}')
-    tok = live.increase(f'{TOKENS}{{service="draft"}}')
+    raw = live.increase(f'{BYTES}{{role="draft"}}')
+    tok = live.increase(f'{TOKENS}{{role="draft"}}')
     assert only(raw) / only(tok) == pytest.approx(demo, rel=1e-12)
     # The recording rule (rates over 5m, everything since Prometheus started). Both counters come from
     # one scrape target, so they share sample times and rate()'s extrapolation factor; the factor can
@@ -180,7 +201,7 @@ def test_tp_bytes_per_draft_token_matches_the_demo(live):
     # crossing (first / increase * sampled span < half a scrape interval), which the warm-up's share
     # (first sample >= ~15% of the increase, over a >= 8 s span) rules out. So the rule is exact up to
     # float rounding; 1e-9 leaves room for that only.
-    rule = values(live.url, f'{RULE_TP}{{service="draft"}}')
+    rule = values(live.url, f'{RULE_TP}{{role="draft"}}')
     assert only(rule) == pytest.approx(demo, rel=1e-9)
 
 
@@ -190,23 +211,25 @@ def test_recording_rules_are_in_range(live):
         assert math.isfinite(value), (expr, value)
         return value
 
-    acceptance = one("model:specsplit_spec_acceptance:ratio_rate5m")
+    acceptance = one("namespace_model:specsplit_spec_acceptance:ratio_rate5m")
     assert 0 < acceptance <= 1
     direct = live.delta("target", "specsplit_spec_accepted_tokens_total") / live.delta("target", TOKENS)
     assert acceptance == pytest.approx(direct, rel=0.05)  # rate() extrapolation, see the TP test
-    assert 0 <= one("model:specsplit_spec_accepted_length:mean_rate5m") <= K
-    per_position = values(live.url, "model_position:specsplit_spec_acceptance:ratio_rate5m")
+    assert 0 <= one("namespace_model:specsplit_spec_accepted_length:mean_rate5m") <= K
+    per_position = values(live.url, "namespace_model_position:specsplit_spec_acceptance:ratio_rate5m")
     assert per_position and all(0 <= v <= 1 for v in per_position.values())
     for q in ("0.5", "0.9", "0.99"):
         assert (
-            one(f'model:specsplit_time_per_output_token_seconds:histogram_quantile_rate5m{{quantile="{q}"}}')
+            one(
+                f'namespace_model:specsplit_time_per_output_token_seconds:histogram_quantile_rate5m{{quantile="{q}"}}'
+            )
             > 0
         )
-    assert one(f'{RULE_TP}{{service="draft"}}') > 0
-    grpc = "model_service:specsplit_grpc_payload_bytes_per_generated_token:ratio_rate5m"
-    assert one(f'{grpc}{{service="target"}}') > 0
-    assert one("model:specsplit_generation_tokens:rate5m") > 0
-    assert 0 <= one("model:specsplit_draft_ahead_hit:ratio_rate5m") <= 1
+    assert one(f'{RULE_TP}{{role="draft"}}') > 0
+    grpc = "namespace_model_role:specsplit_grpc_payload_bytes_per_generated_token:ratio_rate5m"
+    assert one(f'{grpc}{{role="target"}}') > 0
+    assert one("namespace_model:specsplit_generation_tokens:rate5m") > 0
+    assert 0 <= one("namespace_model:specsplit_draft_ahead_hit:ratio_rate5m") <= 1
 
 
 def test_promtool_check_metrics_on_both_live_scrapes(live):
@@ -228,3 +251,85 @@ def test_every_dashboard_metric_is_in_the_live_scrapes(live):
         assert names and names <= exported, (
             f"panel {title!r} reads {names - exported} not in the live scrapes"
         )
+
+
+def test_series_carry_the_operator_target_labels_and_no_exported_ones(live):
+    series = query(live.url, '{__name__=~"specsplit_.+"}', at=live.t_after)
+    assert len(series) > 50
+    for s in series:
+        labels = s["metric"]
+        assert not [k for k in labels if k.startswith("exported_")], labels
+        assert labels["namespace"] == NAMESPACE and labels["endpoint"] == "metrics", labels
+        role = labels["role"]
+        assert labels["service"] == labels["job"] == f"specsplit-{role}", labels
+        assert labels["pod"] == f"specsplit-{role}-0" and labels["container"] == role, labels
+    exported = {k for samples in live.after.values() for _, labels in samples for k, _ in labels}
+    assert not exported & set(RESERVED_LABELS)
+
+
+_COMPARISON = re.compile(r"(==|!=|>=|<=|>|<)(?!\s*bool)")
+
+
+def _outside_braces(expr: str, fn) -> str:
+    """Applies `fn` to the parts of `expr` outside label matchers ({...}) and strings."""
+    parts = re.split(r'(\{[^}]*\}|"[^"]*")', expr)
+    return "".join(p if i % 2 else fn(p) for i, p in enumerate(parts))
+
+
+def alert_signals(expr: str) -> tuple[list[str], str | None]:
+    """(queries that must return data, query that must return nothing) for one alert expression.
+
+    Comparisons become `bool` comparisons, so a healthy service still yields one 0/1 sample per
+    series: the query is empty only if a selector, a label or a join does not match the scrape. The
+    10m:1m subqueries run at 1s resolution: this Prometheus has lived for well under ten minutes.
+    """
+    expr = " ".join(expr.split()).replace(":1m]", ":1s]")
+    if expr.startswith("absent("):
+        return [expr[len("absent(") : -1]], expr
+    if " unless " in expr:
+        left, right = expr.split(" unless on (namespace) ")
+        return [left, right], expr
+    return [_outside_braces(expr, lambda p: _COMPARISON.sub(r"\1 bool", p))], None
+
+
+def test_every_rule_and_alert_finds_data_in_the_operator_scrape(live):
+    alerts = 0
+    for name in RULE_FILES:
+        for group in yaml.safe_load((ROOT / "deploy/prometheus" / name).read_text())["groups"]:
+            for rule in group["rules"]:
+                if "record" in rule:
+                    selector = rule["record"] + "".join(
+                        f'{{{k}="{v}"}}' for k, v in rule.get("labels", {}).items()
+                    ).replace("}{", ", ")
+                    assert query(live.url, selector, at=live.t_after), f"{rule['record']} recorded nothing"
+                    continue
+                alerts += 1
+                must_have, must_be_empty = alert_signals(rule["expr"])
+                for q in must_have:
+                    assert query(live.url, q, at=live.t_after), f"{rule['alert']}: no data for {q}"
+                if must_be_empty:
+                    assert not query(live.url, must_be_empty, at=live.t_after), rule["alert"]
+    assert alerts >= 10
+
+
+def test_every_dashboard_query_finds_data_and_its_legend_labels(live):
+    spec = importlib.util.spec_from_file_location("deploy_generate", ROOT / "deploy" / "generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    dashboard = json.loads(gen.DASHBOARD_PATH.read_text())
+    panels = list(dashboard["panels"])
+    for panel in list(panels):
+        panels.extend(panel.get("panels", []))
+    variables = {"$model": ".*", "$role": ".*", "$__rate_interval": "1m"}
+    checked = 0
+    for panel in panels:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for var, value in variables.items():
+                expr = expr.replace(var, value)
+            result = query(live.url, expr, at=live.t_after)
+            assert result, f"panel {panel['title']!r}: no data for {expr}"
+            for label in re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")):
+                assert all(label in r["metric"] for r in result), (panel["title"], label, result[:2])
+            checked += 1
+    assert checked >= 25

@@ -1,0 +1,115 @@
+"""Start-up order: /metrics, the gRPC port and health answer before the model has loaded.
+
+The draft's config.json is a named pipe, so model loading blocks on it for as long as the test likes:
+meanwhile health must say NOT_SERVING (on the TLS port and on the plaintext health port that kubelet
+probes use under TLS), every RPC UNAVAILABLE, and /metrics must serve `specsplit_ready 0` under the
+--served-model-name label. Writing the config lets loading finish: SERVING, ready 1, real answers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from specsplit.launch import free_port
+from specsplit.v1 import draft_pb2, draft_pb2_grpc
+from tests.conftest_sdk import make_certificates
+from tests.service_util import start_draft, wait_for
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def ready_gauge(metrics_port: int) -> dict[str, float]:
+    """{model label: value} of specsplit_ready from a direct scrape."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        s.labels["model"]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "specsplit_ready"
+    }
+
+
+def health(channel: grpc.Channel) -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def draft_info(channel: grpc.Channel) -> draft_pb2.GetDraftInfoResponse:
+    return draft_pb2_grpc.DraftServiceStub(channel).GetDraftInfo(draft_pb2.GetDraftInfoRequest(), timeout=5)
+
+
+def feed_when_read(fifo: Path, text: str, stop: threading.Event) -> None:
+    """Writes `text` to every reader of the pipe until `stop` (open() blocks until a reader comes)."""
+    while not stop.is_set():
+        try:
+            with open(fifo, "w") as f:
+                f.write(text)
+        except BrokenPipeError:  # the reader left first (the test's own unblocking reader)
+            pass
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_health_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
+    model = tmp_path / "blocked-draft"
+    shutil.copytree(demo_models.draft, model, ignore=shutil.ignore_patterns("config.json"))
+    os.mkfifo(model / "config.json")
+    (tmp_path / "certs").mkdir()
+    certs = make_certificates(tmp_path / "certs")
+    health_port = free_port()
+    tls = ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)]
+    draft = start_draft(model, tmp_path, *tls, "--health-port", str(health_port),
+                        "--served-model-name", "my-draft")  # fmt: skip
+    stop = threading.Event()
+    feeder = threading.Thread(
+        target=feed_when_read,
+        args=(model / "config.json", (demo_models.draft / "config.json").read_text(), stop),
+    )
+    creds = grpc.ssl_channel_credentials(root_certificates=certs.ca.read_bytes())
+    try:
+        wait_for(lambda: "listening:" in draft.log_text(), 120, "the service to listen")
+        time.sleep(0.5)  # still blocked on the pipe: nothing has been written to it
+        assert "SPECSPLIT_READY" not in draft.log_text()
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain, \
+                grpc.secure_channel(draft.address, creds) as secure:  # fmt: skip
+            assert health(plain) == NOT_SERVING
+            assert health(secure) == NOT_SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                draft_pb2_grpc.DraftServiceStub(secure).GetDraftInfo(
+                    draft_pb2.GetDraftInfoRequest(), timeout=5
+                )
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
+            assert ready_gauge(draft.metrics_port) == {"my-draft": 0.0}
+
+            feeder.start()
+            draft.wait_ready()
+            assert health(plain) == SERVING and health(secure) == SERVING
+            info = draft_pb2_grpc.DraftServiceStub(secure).GetDraftInfo(
+                draft_pb2.GetDraftInfoRequest(), timeout=5
+            )
+            assert info.model == "my-draft" and info.vocab_size > 0
+            assert ready_gauge(draft.metrics_port) == {"my-draft": 1.0}
+        # The plaintext health port speaks nothing but health.
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
+            with pytest.raises(grpc.RpcError) as err:
+                draft_pb2_grpc.DraftServiceStub(plain).GetDraftInfo(
+                    draft_pb2.GetDraftInfoRequest(), timeout=5
+                )
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        stop.set()
+        if feeder.is_alive():  # unblock the feeder's open() with a reader of our own
+            with open(os.open(model / "config.json", os.O_RDONLY | os.O_NONBLOCK), closefd=True):
+                pass
+            feeder.join(timeout=5)
+        draft.stop()
