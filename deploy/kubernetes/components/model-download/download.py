@@ -2,7 +2,8 @@
 
 Run by the Job in deploy/kubernetes/components/model-download (mounted from a ConfigMap). Env:
 TARGET_REPO, TARGET_REVISION, DRAFT_REPO, DRAFT_REVISION (from the ConfigMap specsplit-model-source),
-HF_TOKEN (optional, from the Secret specsplit-hf-token, for gated repos), MODELS_DIR (default /models).
+HF_TOKEN_PATH (optional: a file holding the token for gated repos, mounted from the Secret
+specsplit-hf-token; huggingface_hub reads it), MODELS_DIR (default /models).
 A revision must be a commit SHA: a branch or tag can move, and two pods would then serve different
 weights under one name. <MODELS_DIR>/<role>/.specsplit-revision is written last; the pods' init
 container waits for it to name the expected revision.
@@ -50,7 +51,11 @@ def main() -> int:
         marker.unlink(missing_ok=True)
         print(f"{role}: downloading {repo}@{revision} to {dest}", flush=True)
         snapshot_download(
-            repo, revision=revision, local_dir=dest, allow_patterns=PATTERNS, token=os.environ.get("HF_TOKEN") or None
+            repo,
+            revision=revision,
+            local_dir=dest,
+            allow_patterns=PATTERNS,
+            token=os.environ.get("HF_TOKEN") or None,
         )
         marker.write_text(revision + "\n")
     return 0
