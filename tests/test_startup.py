@@ -1,29 +1,27 @@
 """Start-up order: /metrics, the gRPC port and health answer before the model has loaded.
 
-The draft's config.json is a named pipe, so model loading blocks on it for as long as the test likes:
-meanwhile health must say NOT_SERVING (on the TLS port and on the plaintext health port that kubelet
-probes use under TLS), every RPC UNAVAILABLE, and /metrics must serve `specsplit_ready 0` under the
---served-model-name label. Writing the config lets loading finish: SERVING, ready 1, real answers.
+A sitecustomize hook in the draft's process holds its read of config.json (the first step of
+loading) until the test creates a gate file: meanwhile health must say NOT_SERVING (on the TLS port and
+on the plaintext health port that kubelet probes use under TLS), every RPC UNAVAILABLE, and /metrics
+must serve `specsplit_ready 0` under the --served-model-name label. Opening the gate lets loading
+finish: SERVING, ready 1, real answers. The hook delays; the service's own code does everything else.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from specsplit.launch import free_port
+from specsplit.launch import REPO, free_port, start_service
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 from tests.conftest_sdk import make_certificates
-from tests.service_util import start_draft, wait_for
+from tests.service_util import wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -49,32 +47,31 @@ def draft_info(channel: grpc.Channel) -> draft_pb2.GetDraftInfoResponse:
     return draft_pb2_grpc.DraftServiceStub(channel).GetDraftInfo(draft_pb2.GetDraftInfoRequest(), timeout=5)
 
 
-def feed_when_read(fifo: Path, text: str, stop: threading.Event) -> None:
-    """Writes `text` to every reader of the pipe until `stop` (open() blocks until a reader comes)."""
-    while not stop.is_set():
-        try:
-            with open(fifo, "w") as f:
-                f.write(text)
-        except BrokenPipeError:  # the reader left first (the test's own unblocking reader)
-            pass
+LOAD_GATE_HOOK = """
+import json, os, time
+_gate, _load = os.environ["SPECSPLIT_TEST_LOAD_GATE"], json.load
+def _gated_load(fp, *args, **kwargs):
+    if str(getattr(fp, "name", "")).endswith("config.json"):
+        while not os.path.exists(_gate):
+            time.sleep(0.05)
+    return _load(fp, *args, **kwargs)
+json.load = _gated_load
+"""
 
 
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
 def test_health_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
-    model = tmp_path / "blocked-draft"
-    shutil.copytree(demo_models.draft, model, ignore=shutil.ignore_patterns("config.json"))
-    os.mkfifo(model / "config.json")
+    hook, gate = tmp_path / "hook", tmp_path / "gate"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(LOAD_GATE_HOOK)
+    path = os.pathsep.join([str(hook), str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {"SPECSPLIT_TEST_LOAD_GATE": str(gate), "PYTHONPATH": path}
     (tmp_path / "certs").mkdir()
     certs = make_certificates(tmp_path / "certs")
     health_port = free_port()
     tls = ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key)]
-    draft = start_draft(model, tmp_path, *tls, "--health-port", str(health_port),
-                        "--served-model-name", "my-draft")  # fmt: skip
-    stop = threading.Event()
-    feeder = threading.Thread(
-        target=feed_when_read,
-        args=(model / "config.json", (demo_models.draft / "config.json").read_text(), stop),
-    )
+    args = ["--model", str(demo_models.draft), *tls, "--health-port", str(health_port),
+            "--served-model-name", "my-draft"]  # fmt: skip
+    draft = start_service("draft_service", args, tmp_path / "draft.log", env=env)
     creds = grpc.ssl_channel_credentials(root_certificates=certs.ca.read_bytes())
     try:
         wait_for(lambda: "listening:" in draft.log_text(), 120, "the service to listen")
@@ -91,7 +88,7 @@ def test_health_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in err.value.details()
             assert ready_gauge(draft.metrics_port) == {"my-draft": 0.0}
 
-            feeder.start()
+            gate.touch()
             draft.wait_ready()
             assert health(plain) == SERVING and health(secure) == SERVING
             info = draft_pb2_grpc.DraftServiceStub(secure).GetDraftInfo(
@@ -107,9 +104,5 @@ def test_health_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
                 )
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
-        stop.set()
-        if feeder.is_alive():  # unblock the feeder's open() with a reader of our own
-            with open(os.open(model / "config.json", os.O_RDONLY | os.O_NONBLOCK), closefd=True):
-                pass
-            feeder.join(timeout=5)
+        gate.touch()
         draft.stop()
