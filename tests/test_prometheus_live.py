@@ -333,3 +333,14 @@ def test_every_dashboard_query_finds_data_and_its_legend_labels(live):
                 assert all(label in r["metric"] for r in result), (panel["title"], label, result[:2])
             checked += 1
     assert checked >= 25
+
+
+def test_every_autoscaling_query_finds_data(live):
+    """The KEDA ScaledObjects' Prometheus queries (components/autoscaling), for this namespace."""
+    path = ROOT / "deploy/kubernetes/components/autoscaling/scaledobjects.yaml"
+    triggers = [t for doc in yaml.safe_load_all(path.read_text()) for t in doc["spec"]["triggers"]]
+    assert len(triggers) >= 3
+    for trigger in triggers:
+        expr = trigger["metadata"]["query"].replace("'NAMESPACE'", f"'{NAMESPACE}'")
+        result = query(live.url, expr, at=live.t_after)
+        assert len(result) == 1 and float(result[0]["value"][1]) >= 0, (trigger["name"], result)
