@@ -182,6 +182,10 @@ class ServiceMetrics:
         self.kv_slots_total = gauge("kv_slots_capacity", "KV cache slots available in total.")
         # /metrics is served from process start, before the model loads: alerts on a pod's other gauges
         # (draft_connected, slots) are gated on this, and a pod stuck at 0 has its own alert.
+        self.draft_replicas = gauge("draft_replicas", "Draft replicas the target knows (resolved addresses).")
+        self.draft_replicas_connected = gauge(
+            "draft_replicas_connected", "Draft replicas the target holds a healthy stream to."
+        )
         self.ready = gauge(
             "ready", "1 once the model is loaded and requests are served; 0 while loading or draining."
         )

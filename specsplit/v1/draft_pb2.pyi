@@ -182,9 +182,14 @@ class SpeculateResponse(_message.Message):
     PROPOSALS_FIELD_NUMBER: _builtins.int
     DRAFT_SECONDS_FIELD_NUMBER: _builtins.int
     UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    FREE_SLOTS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     draft_seconds: _builtins.float
     """Wall time the draft spent on this step (forwards only), seconds."""
+    free_slots: _builtins.int
+    """KV slots free on this draft after the step, over all its streams: targets sharing a pool of
+    drafts place new requests on the replica with the most.
+    """
     @_builtins.property
     def proposals(self) -> _containers.RepeatedCompositeFieldContainer[Global___Proposal]: ...
     @_builtins.property
@@ -200,12 +205,15 @@ class SpeculateResponse(_message.Message):
         proposals: _abc.Iterable[Global___Proposal] | None = ...,
         draft_seconds: _builtins.float = ...,
         unknown_request_ids: _abc.Iterable[_builtins.int] | None = ...,
+        free_slots: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_free_slots", b"_free_slots", "free_slots", b"free_slots"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_seconds", b"draft_seconds", "proposals", b"proposals", "step", b"step", "unknown_request_ids", b"unknown_request_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_free_slots", b"_free_slots", "draft_seconds", b"draft_seconds", "free_slots", b"free_slots", "proposals", b"proposals", "step", b"step", "unknown_request_ids", b"unknown_request_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__free_slots: _TypeAlias = _typing.Literal["free_slots"]  # noqa: Y015
+    _WhichOneofArgType__free_slots: _TypeAlias = _typing.Literal["_free_slots", b"_free_slots"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__free_slots) -> _WhichOneofReturnType__free_slots | None: ...
 
 Global___SpeculateResponse: _TypeAlias = SpeculateResponse  # noqa: Y015
 
@@ -240,6 +248,8 @@ class GetDraftInfoResponse(_message.Message):
     DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     DRAFT_AHEAD_HITS_FIELD_NUMBER: _builtins.int
     DRAFT_AHEAD_MISSES_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    FREE_SLOTS_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     vocab_size: _builtins.int
     tp_size: _builtins.int
@@ -256,6 +266,9 @@ class GetDraftInfoResponse(_message.Message):
     draft_tokens: _builtins.int
     draft_ahead_hits: _builtins.int
     draft_ahead_misses: _builtins.int
+    max_batch_size: _builtins.int
+    """KV slots in all (--max-batch-size) and free now, over all streams."""
+    free_slots: _builtins.int
     def __init__(
         self,
         *,
@@ -271,10 +284,12 @@ class GetDraftInfoResponse(_message.Message):
         draft_tokens: _builtins.int = ...,
         draft_ahead_hits: _builtins.int = ...,
         draft_ahead_misses: _builtins.int = ...,
+        max_batch_size: _builtins.int = ...,
+        free_slots: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ahead_hits", b"draft_ahead_hits", "draft_ahead_misses", b"draft_ahead_misses", "draft_tokens", b"draft_tokens", "markov_head", b"markov_head", "markov_head_mode", b"markov_head_mode", "max_speculative_tokens", b"max_speculative_tokens", "method", b"method", "model", b"model", "sampled_top_k", b"sampled_top_k", "tp_bytes", b"tp_bytes", "tp_size", b"tp_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ahead_hits", b"draft_ahead_hits", "draft_ahead_misses", b"draft_ahead_misses", "draft_tokens", b"draft_tokens", "free_slots", b"free_slots", "markov_head", b"markov_head", "markov_head_mode", b"markov_head_mode", "max_batch_size", b"max_batch_size", "max_speculative_tokens", b"max_speculative_tokens", "method", b"method", "model", b"model", "sampled_top_k", b"sampled_top_k", "tp_bytes", b"tp_bytes", "tp_size", b"tp_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

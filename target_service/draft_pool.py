@@ -1,0 +1,293 @@
+"""The target's side of a pool of draft replicas: one Speculate stream per replica.
+
+`--draft-address` names one or more drafts: a comma list, each entry `host:port` (or `dns:///host:port`).
+A host resolves to all of its addresses, so the headless Service `specsplit-draft` yields every draft
+pod; the pool re-resolves every `refresh_s`, opening streams to new pods and closing gone ones.
+
+To the scheduler the pool is one draft link (`connected`, `epoch`, `exchange`): it splits each step's
+SpeculateRequest by request, sends every replica its part on that replica's own DraftLink, and merges
+the answers. Placement and failure are per request:
+- A request is placed when it starts (its DraftRequestStart) and stays on that replica while the
+  replica's stream lives: the replica holds its draft KV (sticky).
+- Placement is least-loaded by the drafts' own free KV slots (`free_slots` in every
+  SpeculateResponse and in GetDraftInfo, so targets sharing a pool see each other's load), less the
+  starts this target sent since that report.
+- When a replica's stream breaks (or the replica leaves DNS), only its requests lose their proposals;
+  the pool reports them in `unknown_request_ids`, so the scheduler re-sends them as starts and the
+  pool places them on a live replica. A replica that answers late costs only its requests that step.
+The pool's `epoch` never changes: there is no global resync.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from common.metrics import ServiceMetrics
+from specsplit.v1 import draft_pb2
+from target_service.draft_link import DraftLink
+
+log = logging.getLogger("specsplit.target")
+Part = draft_pb2.SpeculateRequest  # one replica's share of a step's message
+
+
+def split_host_port(entry: str) -> tuple[str, int]:
+    """`host:port`, `[v6]:port` or `dns:///host:port` -> (host, port); ValueError naming the flag."""
+    text = entry.strip().removeprefix("dns:///").removeprefix("dns:")
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--draft-address: {entry!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def resolve(spec: str) -> list[str]:
+    """Every draft address named by `spec` (comma list; each host resolved to all its addresses)."""
+    found: list[str] = []
+    for entry in (e for e in spec.split(",") if e.strip()):
+        host, port = split_host_port(entry)
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            log.warning("draft %s does not resolve (%s)", host, exc)
+            continue
+        for family, *_, sockaddr in infos:
+            ip = sockaddr[0]
+            address = f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"
+            if address not in found:
+                found.append(address)
+    return found
+
+
+def default_server_name(spec: str) -> str | None:
+    """The TLS name to check when addresses resolve to IPs: the (first) host the flag names."""
+    host, _ = split_host_port(spec.split(",")[0])
+    return None if host.replace(".", "").isdigit() or ":" in host else host
+
+
+class _ConnectedHook:
+    def __init__(self, on_change: Callable[[], None]):
+        self.on_change = on_change
+
+    def set(self, _value: float) -> None:
+        self.on_change()
+
+
+class _LinkMetrics:
+    """The service's metrics as one link of the pool sees them: its `draft_connected` updates the
+    pool's gauges (connected while any replica is) instead of overwriting the shared gauge."""
+
+    def __init__(self, metrics: ServiceMetrics, on_change: Callable[[], None]):
+        self._metrics = metrics
+        self.draft_connected = _ConnectedHook(on_change)
+
+    def __getattr__(self, name: str):
+        return getattr(self._metrics, name)
+
+
+@dataclass(eq=False)
+class Replica:
+    address: str
+    link: DraftLink
+    free_slots: int = -1  # the draft's last report (-1: none yet)
+    placed_since_report: int = 0  # starts sent since that report
+    requests: set[int] = field(default_factory=set)
+
+    def estimated_free(self) -> int:
+        if self.free_slots < 0:
+            info = self.link.info
+            return (info.max_batch_size if info is not None else 0) - len(self.requests)
+        return self.free_slots - self.placed_since_report
+
+
+class DraftPool:
+    def __init__(
+        self,
+        spec: str,
+        make_link: Callable[[str, ServiceMetrics], DraftLink],
+        metrics: ServiceMetrics,
+        refresh_s: float = 10.0,
+        resolver: Callable[[str], list[str]] = resolve,
+    ):
+        self.spec = spec
+        self.make_link = make_link
+        self.metrics = metrics
+        self.refresh_s = refresh_s
+        self.resolver = resolver
+        self.epoch = 1
+        self.replicas: dict[str, Replica] = {}
+        self.placement: dict[int, tuple[Replica, int]] = {}  # request id -> (replica, its link epoch)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="draft-pool")
+        self._thread = threading.Thread(target=self._refresh_loop, name="draft-pool", daemon=True)
+
+    # -- the DraftLink interface the scheduler uses --------------------------------
+    @property
+    def connected(self) -> bool:
+        return any(r.link.connected for r in list(self.replicas.values()))
+
+    @property
+    def info(self) -> draft_pb2.GetDraftInfoResponse | None:
+        return next((r.link.info for r in list(self.replicas.values()) if r.link.info is not None), None)
+
+    def start(self) -> None:
+        self._refresh()
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        for replica in list(self.replicas.values()):
+            replica.link.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def wait_connected(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.connected:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def exchange(
+        self, msg: draft_pb2.SpeculateRequest, epoch: int, timeout: float
+    ) -> draft_pb2.SpeculateResponse | None:
+        """Split `msg` over the replicas, send the parts at once, merge the answers (None: none answered)."""
+        with self._lock:
+            parts, lost = self._split(msg)
+        futures = {
+            replica: self._pool.submit(replica.link.exchange, part, replica.link.epoch, timeout)
+            for replica, part in parts.items()
+        }
+        merged = draft_pb2.SpeculateResponse(step=msg.step, unknown_request_ids=sorted(lost))
+        answered = False
+        for replica, future in futures.items():
+            response = future.result()
+            if response is None:
+                if not replica.link.connected:  # its stream broke: its requests start over elsewhere
+                    with self._lock:
+                        merged.unknown_request_ids.extend(self._forget_replica_requests(replica))
+                continue
+            answered = True
+            with self._lock:
+                self._record(replica, response)
+            merged.proposals.extend(response.proposals)
+            merged.unknown_request_ids.extend(response.unknown_request_ids)
+            merged.draft_seconds = max(merged.draft_seconds, response.draft_seconds)
+        self._update_gauges()
+        return merged if answered or lost else None
+
+    # -- routing ---------------------------------------------------------------------
+    def _split(
+        self, msg: draft_pb2.SpeculateRequest
+    ) -> tuple[dict[Replica, draft_pb2.SpeculateRequest], set[int]]:
+        """Per-replica messages, and the ids whose replica is gone (the scheduler must re-start them)."""
+        parts: dict[Replica, Part] = {}
+        lost: set[int] = set()
+
+        def part(replica: Replica) -> Part:
+            if replica not in parts:
+                parts[replica] = draft_pb2.SpeculateRequest(step=msg.step)
+            return parts[replica]
+
+        for rid in msg.releases:
+            placed = self._live_placement(rid)
+            self.placement.pop(rid, None)
+            if placed is not None:
+                placed.requests.discard(rid)
+                part(placed).releases.append(rid)
+        for start in msg.starts:
+            old = self.placement.pop(start.request_id, None)
+            if old is not None:
+                old[0].requests.discard(start.request_id)
+            replica = self._least_loaded()
+            if replica is None:
+                lost.add(start.request_id)
+                continue
+            self.placement[start.request_id] = (replica, replica.link.epoch)
+            replica.requests.add(start.request_id)
+            replica.placed_since_report += 1
+            part(replica).starts.append(start)
+        for verdict in msg.verdicts:
+            replica = self._live_placement(verdict.request_id)
+            if replica is None:
+                lost.add(verdict.request_id)
+            else:
+                part(replica).verdicts.append(verdict)
+        for rid in msg.propose:
+            replica = self._live_placement(rid)
+            if replica is None:
+                lost.add(rid)
+            else:
+                part(replica).propose.append(rid)
+        for rid in lost:
+            self._drop(rid)
+        return parts, lost
+
+    def _live_placement(self, rid: int) -> Replica | None:
+        """The request's replica if it still holds the request (same stream, still in the pool)."""
+        placed = self.placement.get(rid)
+        if placed is None:
+            return None
+        replica, link_epoch = placed
+        alive = self.replicas.get(replica.address) is replica and replica.link.connected
+        return replica if alive and replica.link.epoch == link_epoch else None
+
+    def _least_loaded(self) -> Replica | None:
+        live = [r for r in self.replicas.values() if r.link.connected]
+        if not live:
+            return None
+        return max(live, key=lambda r: (r.estimated_free(), -len(r.requests)))
+
+    def _record(self, replica: Replica, response: draft_pb2.SpeculateResponse) -> None:
+        if response.HasField("free_slots"):
+            replica.free_slots = response.free_slots
+            replica.placed_since_report = 0
+        for rid in response.unknown_request_ids:  # the draft had no slot: placed again next step
+            self._drop(rid)
+
+    def _drop(self, rid: int) -> None:
+        placed = self.placement.pop(rid, None)
+        if placed is not None:
+            placed[0].requests.discard(rid)
+
+    def _forget_replica_requests(self, replica: Replica) -> list[int]:
+        gone = sorted(replica.requests)
+        for rid in gone:
+            self.placement.pop(rid, None)
+        replica.requests.clear()
+        replica.free_slots, replica.placed_since_report = -1, 0
+        return gone
+
+    # -- membership ------------------------------------------------------------------
+    def _refresh_loop(self) -> None:
+        while not self._closed.wait(self.refresh_s):
+            self._refresh()
+
+    def _refresh(self) -> None:
+        addresses = self.resolver(self.spec)
+        if not addresses:
+            return  # DNS hiccup or no pods yet: keep what we have
+        with self._lock:
+            for address in addresses:
+                if address not in self.replicas:
+                    link = self.make_link(address, _LinkMetrics(self.metrics, self._update_gauges))
+                    self.replicas[address] = Replica(address, link)
+                    link.start()
+                    log.info("draft replica added: %s", address)
+            for address in [a for a in self.replicas if a not in addresses]:
+                replica = self.replicas.pop(address)
+                self._forget_replica_requests(replica)
+                replica.link.close()
+                log.info("draft replica removed: %s", address)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        replicas = list(self.replicas.values())
+        self.metrics.draft_replicas.set(len(replicas))
+        self.metrics.draft_replicas_connected.set(sum(r.link.connected for r in replicas))
+        self.metrics.draft_connected.set(1 if any(r.link.connected for r in replicas) else 0)
