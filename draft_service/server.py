@@ -181,6 +181,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             proposals=[self._to_pb(rid, p) for rid, p in proposals.items()],
             unknown_request_ids=unknown,
             draft_seconds=elapsed,
+            free_slots=self.state.slots.num_free,  # targets sharing this draft place requests by it
         )
         return response, (targets, proposals) if targets else None
 
@@ -200,4 +201,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             draft_tokens=self.state.draft_tokens,
             draft_ahead_hits=self.state.ahead_hits,
             draft_ahead_misses=self.state.ahead_misses,
+            max_batch_size=self.config.max_batch_size,
+            free_slots=self.state.slots.num_free,
         )

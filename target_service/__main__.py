@@ -11,6 +11,7 @@ from common.grpc_util import (
     read_token,
 )
 from common.logs import setup_logging
+from common.metrics import ServiceMetrics
 from common.service import model_label, open_front, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
@@ -18,6 +19,7 @@ from common.tp_executor import launch_tp
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
+from target_service.draft_pool import DraftPool, default_server_name
 from target_service.runner import TargetRunner, tp_worker
 from target_service.scheduler import Scheduler
 from target_service.server import TargetServicer
@@ -74,15 +76,16 @@ def main(argv: list[str] | None = None) -> int:
             creds = channel_credentials(
                 config.draft_tls_ca or None, config.draft_tls_cert or None, config.draft_tls_key or None
             )
-            link = DraftLink(
-                config.draft_address,
-                metrics,
-                mc.vocab_size,
-                creds,
-                token,
-                config.draft_tls_server_name or None,
-                config.draft_backoff_max,
+            # Replicas are dialled by IP: under TLS, check the certificate against the name the flag gives.
+            server_name = config.draft_tls_server_name or (
+                default_server_name(config.draft_address) if creds is not None else None
             )
+
+            def make_link(address: str, link_metrics: ServiceMetrics) -> DraftLink:
+                return DraftLink(address, link_metrics, mc.vocab_size, creds, token, server_name,
+                                 config.draft_backoff_max)  # fmt: skip
+
+            link = DraftPool(config.draft_address, make_link, metrics)
         eos_ids = _eos_ids(mc.eos_token_id, tokenizer)
         scheduler = Scheduler(runner, config, metrics, link, eos_ids)
         model_info = target_pb2.GetModelInfoResponse(

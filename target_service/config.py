@@ -9,7 +9,9 @@ from common.settings import ServiceConfig, flag
 
 @dataclass
 class TargetConfig(ServiceConfig):
-    draft_address: str = flag("", "draft service host:port; empty = plain decoding")
+    draft_address: str = flag(
+        "", "draft replicas: host:port, a comma list, or a DNS name for all of them; empty = plain decoding"
+    )
     num_speculative_tokens: int = flag(4, "default k per request")
     max_speculative_tokens: int = flag(8, "largest k a request may ask for")
     max_batch_size: int = flag(32, "requests verified together (= target KV slots)")

@@ -113,6 +113,10 @@ class DraftPool:
         refresh_s: float = 10.0,
         resolver: Callable[[str], list[str]] = resolve,
     ):
+        for entry in (e for e in spec.split(",") if e.strip()):
+            split_host_port(entry)  # bad syntax fails at start-up, naming the flag
+        if not spec.strip(","):
+            raise ValueError("--draft-address: no address given")
         self.spec = spec
         self.make_link = make_link
         self.metrics = metrics
