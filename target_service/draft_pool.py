@@ -163,9 +163,11 @@ class DraftPool:
         """Split `msg` over the replicas, send the parts at once, merge the answers (None: none answered)."""
         with self._lock:
             parts, lost = self._split(msg)
+        # Each part goes to the stream its requests were placed on (the epoch read while splitting): if
+        # that stream has just been replaced, the link refuses the part and the next step re-places them.
         futures = {
-            replica: self._pool.submit(replica.link.exchange, part, replica.link.epoch, timeout)
-            for replica, part in parts.items()
+            replica: self._pool.submit(replica.link.exchange, part, link_epoch, timeout)
+            for replica, (part, link_epoch) in parts.items()
         }
         merged = draft_pb2.SpeculateResponse(step=msg.step, unknown_request_ids=sorted(lost))
         answered = False
@@ -186,17 +188,16 @@ class DraftPool:
         return merged if answered or lost else None
 
     # -- routing ---------------------------------------------------------------------
-    def _split(
-        self, msg: draft_pb2.SpeculateRequest
-    ) -> tuple[dict[Replica, draft_pb2.SpeculateRequest], set[int]]:
-        """Per-replica messages, and the ids whose replica is gone (the scheduler must re-start them)."""
-        parts: dict[Replica, Part] = {}
+    def _split(self, msg: draft_pb2.SpeculateRequest) -> tuple[dict[Replica, tuple[Part, int]], set[int]]:
+        """Per-replica messages with the stream epoch they are for, and the ids whose replica is gone
+        (the scheduler must start them again)."""
+        parts: dict[Replica, tuple[Part, int]] = {}
         lost: set[int] = set()
 
         def part(replica: Replica) -> Part:
             if replica not in parts:
-                parts[replica] = draft_pb2.SpeculateRequest(step=msg.step)
-            return parts[replica]
+                parts[replica] = (draft_pb2.SpeculateRequest(step=msg.step), replica.link.epoch)
+            return parts[replica][0]
 
         for rid in msg.releases:
             placed = self._live_placement(rid)
