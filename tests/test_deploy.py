@@ -17,7 +17,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jsonschema
 import pytest
 import yaml
 from tools import need
@@ -111,6 +110,8 @@ def render(overlay: str) -> list[dict]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_and_validates_strict(overlay, tmp_path):
     validate = need("kubernetes-validate", VENV_BIN / "kubernetes-validate")
+    import jsonschema  # a kubernetes-validate dependency (requirements-deploy.txt)
+
     docs = render(overlay)
     rendered = tmp_path / f"{overlay}.yaml"
     rendered.write_text(yaml.safe_dump_all(docs))
