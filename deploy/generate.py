@@ -159,9 +159,14 @@ ROWS: list[tuple[str, list[dict]]] = [
         panel("KV slot usage", "percentunit",
               [(f"sum by (role) (specsplit_kv_slots_used{{{SEL}}})"
                 f" / sum by (role) (specsplit_kv_slots_capacity{{{SEL}}})", "{{role}}")]),
-        panel("Draft connected", "short",
-              [(f"min by (pod) (specsplit_draft_connected{{{TARGET}}})", "{{pod}}")],
-              "1 while a target pod holds a healthy stream to the draft service."),
+        panel("Draft replicas per target", "short", [
+            (f"min by (pod) (specsplit_draft_replicas_connected{{{TARGET}}})", "connected {{pod}}"),
+            (f"max by (pod) (specsplit_draft_replicas{{{TARGET}}})", "resolved {{pod}}"),
+        ], "Draft pods each target resolved from --draft-address and holds a stream to."),
+        panel("Ready pods", "short", [(f"sum by (role) (specsplit_ready{{{SEL}}})", "{{role}}")],
+              "Pods with their model loaded and serving; a loading pod scrapes as 0."),
+        panel("Server-side errors/s by code", "short",
+              [(f"sum by (code) ({rate('specsplit_request_errors_total', TARGET)})", "{{code}}")]),
     ]),
 ]  # fmt: skip
 
