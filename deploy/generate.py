@@ -165,7 +165,7 @@ ROWS: list[tuple[str, list[dict]]] = [
         ], "Draft pods each target resolved from --draft-address and holds a stream to."),
         panel("Ready pods", "short", [(f"sum by (role) (specsplit_ready{{{SEL}}})", "{{role}}")],
               "Pods with their model loaded and serving; a loading pod scrapes as 0."),
-        panel("Server-side errors/s by code", "short",
+        panel("Request errors/s by gRPC code", "short",
               [(f"sum by (code) ({rate('specsplit_request_errors_total', TARGET)})", "{{code}}")]),
     ]),
 ]  # fmt: skip
