@@ -156,13 +156,21 @@ def run_batch(service, draft, prompts: list[list[int]], n: int, k: int) -> dict:
     }
 
 
-def gpu_split(device: str, draft_tp: int, target_tp: int) -> tuple[dict[str, str], dict[str, str]]:
-    """Separate GPUs for the two services when the machine has enough (each TP group from its device 0)."""
+def gpu_split(
+    device: str, draft_tp: int, target_tp: int, placement: str = "auto"
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Separate GPUs for the two services when the machine has enough and placement allows (each TP
+    group from its device 0); `colocated` puts both groups on the first GPUs."""
     if device != "cuda":
         return {}, {}
     import torch
 
+    if placement == "colocated":
+        shared = ",".join(str(i) for i in range(max(draft_tp, target_tp)))
+        return {"CUDA_VISIBLE_DEVICES": shared}, {"CUDA_VISIBLE_DEVICES": shared}
     if torch.cuda.device_count() < draft_tp + target_tp:
+        if placement == "split":
+            raise SystemExit(f"--placement split needs {draft_tp + target_tp} GPUs")
         return {}, {}  # both share the visible GPUs (one H200: both on it)
     ids = [str(i) for i in range(draft_tp + target_tp)]
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids[:draft_tp])}, {
@@ -232,7 +240,7 @@ class Stack:
 
 
 def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path) -> Stack:
-    draft_env, target_env = gpu_split(args.device, args.draft_tp_size, args.target_tp_size)
+    draft_env, target_env = gpu_split(args.device, args.draft_tp_size, args.target_tp_size, args.placement)
     common = ["--device", args.device, "--dtype", dtype]
     max_batch = str(max(args.batches))
     draft = start_service(
@@ -335,6 +343,8 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=["plain", "fixed", "adaptive"],
                     choices=["plain", "fixed", "adaptive"])  # fmt: skip
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--placement", default="auto", choices=["auto", "colocated", "split"],
+                    help="split: each service on its own GPUs; auto: split if enough")  # fmt: skip
     ap.add_argument("--draft-tp-size", type=int, default=1)
     ap.add_argument("--target-tp-size", type=int, default=1)
     ap.add_argument(
@@ -404,8 +414,8 @@ def main() -> int:
               f"{m['plain_token']}; target alone: top-2 {m['top2_ids']}, gap {m['top2_gap']:.4g} at logit "
               f"{m['top1_logit']:.4g}")  # fmt: skip
     if args.out:
-        result = {"preset": args.preset, "device": args.device, "argv": sys.argv, "rows": rows,
-                  "divergences": margins}  # fmt: skip
+        result = {"preset": args.preset, "device": args.device, "placement": args.placement,
+                  "argv": sys.argv, "rows": rows, "divergences": margins}  # fmt: skip
         args.out.write_text(json.dumps(result, indent=2))
     return 0
 

@@ -4,7 +4,8 @@ One object owns the protocol state the scheduler must not see: the stream epoch 
 draft knows nothing: every request is started again), pending releases, each request's synced length,
 and the one ask in flight. A step works in two halves so the draft's round overlaps the target's host
 work: `ask` sends starts/verdicts and the list of requests to draft for, without waiting; `collect`
-waits for that answer (bounded by --draft-timeout) just before the verify forward needs it.
+waits for that answer (bounded by --draft-timeout) just before the verify forward needs it. Requests
+admitted after the ask get an ask of their own, so they are drafted for from their first step.
 
 A step that wants no proposals sends nothing and waits for nothing: verdicts stay pending (the next ask
 sends everything the draft has not seen), releases go out without waiting for an answer.
@@ -69,8 +70,6 @@ class Ask:
     step: int
     epoch: int
     sent: float
-    batch: int
-    k: int
     ks: dict[int, int]  # draft id -> tokens asked
 
 
@@ -82,7 +81,8 @@ class DraftSession:
         self.step_no = 0
         self.epoch = 0
         self.releases: list[int] = []
-        self.inflight: Ask | None = None
+        self.inflight: list[Ask] = []  # asks sent, answers not yet collected (in step order)
+        self.decided: set[int] = set()  # draft ids asked for (or decided k = 0) since the last collect
         self._ids = itertools.count(1)
         self.last_wait = 0.0  # seconds the last collect() blocked
 
@@ -142,8 +142,8 @@ class DraftSession:
     def ask(self, batch: list[Request], k: int, max_context: int) -> None:
         """Ask for min(k, r.k) tokens for every request of `batch` that can take them; no waiting.
         k = 0 with nothing to release sends nothing."""
-        self.inflight = None
         link = self.link
+        self.decided.update(r.draft.draft_id for r in batch)
         if link is None:
             return
         if not link.connected:
@@ -167,20 +167,32 @@ class DraftSession:
             return
         msg = self._message(want, ks)
         if link.send(msg, self.epoch):
-            self.inflight = Ask(msg.step, self.epoch, time.perf_counter(), len(batch), k, ks)
+            self.inflight.append(Ask(msg.step, self.epoch, time.perf_counter(), ks))
         else:
             self.metrics.fallback_steps.inc()
 
+    def covered(self) -> set[int]:
+        """Draft ids asked for (or decided k = 0) since the last collect: the others still need an ask."""
+        return self.decided
+
     def collect(self, batch: list[Request]) -> dict[int, Proposal]:
-        """The in-flight ask's proposals by draft id ({} when none was asked or it came too late)."""
-        ask, self.inflight = self.inflight, None
+        """The proposals of every ask in flight, by draft id ({} where none was asked or it came too late)."""
+        asks, self.inflight = self.inflight, []
+        self.decided = set()
         self.last_wait = 0.0
-        if ask is None or self.link is None:
-            return {}
+        out: dict[int, Proposal] = {}
+        if self.link is None:
+            return out
         t0 = time.perf_counter()
+        for ask in asks:
+            out.update(self._collect(ask, batch))
+        self.last_wait = time.perf_counter() - t0
+        return out
+
+    def _collect(self, ask: Ask, batch: list[Request]) -> dict[int, Proposal]:
+        assert self.link is not None
         response = self.link.receive(ask.step, ask.epoch, ask.sent + self.timeout)
         now = time.perf_counter()
-        self.last_wait = now - t0
         if response is None:
             self.metrics.fallback_steps.inc()
             if self.link.connected and self.link.epoch == ask.epoch:

@@ -98,7 +98,7 @@ class SpeculationPolicy:
         for k in range(max_k + 1):
             goodput = self.goodput(batch, k)
             if goodput is None:
-                return max_k  # no verify cost measured for this batch yet: speculate and measure
+                return k  # no verify cost measured at or below this width for this batch: measure it
             if goodput > best:
                 best_k, best = k, goodput
         if best_k == 0:

@@ -101,8 +101,10 @@ class StepBuffers:
             return t.view(self.batch, self.width - 1)
         return t
 
-    def load(self, rows: list[StepRow]) -> None:
-        """Pads `rows` to the bucket: padding rows feed token 0 into the scratch slot and draft nothing."""
+    def load(self, tokens: list[list[int]], starts: list[int], slots_in: list[int], seeds_in: list[int],
+             temperatures: list[float]) -> None:  # fmt: skip
+        """Row b feeds tokens[b] = [t_n, d_1..d_k] at positions starts[b].. into slot slots_in[b]. Pads to
+        the bucket: padding rows feed token 0 into the scratch slot and draft nothing."""
         b, w = self.batch, self.width
         ints = self.host_ints.numpy()
         ids = np.zeros((b, w), dtype=np.int64)
@@ -113,17 +115,16 @@ class StepBuffers:
         seeds = np.zeros(b, dtype=np.int64)
         commit = np.zeros(b, dtype=np.int64)
         temps = np.zeros(b, dtype=np.float32)
-        for i, r in enumerate(rows):
-            k = len(r.drafts)
-            ids[i, 0] = r.last_token
-            ids[i, 1 : 1 + k] = r.drafts
-            pos[i] += r.start
-            slots[i] = r.slot
-            drafts[i, :k] = r.drafts
-            num_draft[i] = k
-            seeds[i] = r.seed
-            commit[i] = r.start + 1
-            temps[i] = r.temperature
+        n = len(tokens)
+        for i, row in enumerate(tokens):
+            ids[i, : len(row)] = row
+            drafts[i, : len(row) - 1] = row[1:]
+            num_draft[i] = len(row) - 1
+        pos[:n] += np.asarray(starts, dtype=np.int64)[:, None]
+        slots[:n] = slots_in
+        seeds[:n] = seeds_in
+        commit[:n] = np.asarray(starts, dtype=np.int64) + 1
+        temps[:n] = temperatures
         for name, arr in zip(INT_FIELDS, (ids, pos, slots, drafts, num_draft, seeds, commit)):
             off, size = self.offsets[name]
             ints[off : off + size] = arr.reshape(-1)
@@ -284,15 +285,25 @@ class TargetRunner:
         self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
 
     @torch.inference_mode()
-    def verify_step(self, rows: list[StepRow], width: int) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        """Runs the step's forward (and in-graph rejection kernel) for `rows` padded to the buckets.
+    def verify_step(
+        self,
+        tokens: list[list[int]],
+        starts: list[int],
+        slots: list[int],
+        seeds: list[int],
+        temperatures: list[float],
+        width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Runs the step's forward (and in-graph rejection kernel), padded to the buckets. Plain lists, so
+        the TP executor sends them as one packed message. Row b: tokens[b] = [t_n, d_1..d_k] at positions
+        starts[b]...
 
         Returns (logits [Bp * width, V], packed [Bp, width + 2] or None, Bp)."""
-        padded = _bucket(self.batch_buckets, len(rows))
-        ctx_needed = max(r.start for r in rows) + width
+        padded = _bucket(self.batch_buckets, len(tokens))
+        ctx_needed = max(starts) + width
         ctx = _bucket(self.ctx_buckets, ctx_needed)
         buf = self._buffers(padded, width)
-        buf.load(rows)
+        buf.load(tokens, starts, slots, seeds, temperatures)
         if not self.use_graphs:
             logits, packed = self._forward(buf, ctx)
             return logits, packed, padded
@@ -312,7 +323,15 @@ class TargetRunner:
         """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row."""
         if self.events is not None:
             self.events[0].record()
-        logits, packed, padded = self.executor.run("verify_step", rows=rows, width=width)
+        logits, packed, padded = self.executor.run(
+            "verify_step",
+            tokens=[[r.last_token, *r.drafts] for r in rows],
+            starts=[r.start for r in rows],
+            slots=[r.slot for r in rows],
+            seeds=[r.seed for r in rows],
+            temperatures=[float(r.temperature) for r in rows],
+            width=width,
+        )
         eager = packed is None or any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)
         if eager:
             packed = self._verify_eager(rows, logits, padded, width)

@@ -223,7 +223,7 @@ class Scheduler:
                     self.session.ask([], 0, self.runner.max_context)
             except Exception:  # keep serving; fail the requests of this step loudly
                 log.exception("step failed; failing the running requests")
-                self.session.inflight = None
+                self.session.inflight, self.session.decided = [], set()
                 for req in list(self.running):
                     self._finish(req, FINISH.FINISH_REASON_ABORTED, error="internal error in the step")
         with self.lock:
@@ -276,8 +276,10 @@ class Scheduler:
     def _step(self) -> None:
         t0 = time.perf_counter()
         batch = list(self.running)
-        if self.session.inflight is None:  # first step of a batch, or the draft was not asked
-            self._ask(batch)
+        covered = self.session.covered()
+        new = [r for r in batch if r.draft.draft_id not in covered]
+        if new:  # admitted since the last ask (or the first step): ask for them too, from their first step
+            self._ask(batch, new)
         t1 = time.perf_counter()
         proposals = self.session.collect(batch)  # propose
         t2 = time.perf_counter()
@@ -289,10 +291,12 @@ class Scheduler:
         t4 = time.perf_counter()
         self._account(batch, width, result.gpu_seconds, t0, t1, t2, t3, t4)
 
-    def _ask(self, batch: list[Request]) -> None:
+    def _ask(self, batch: list[Request], subset: list[Request] | None = None) -> None:
+        """Ask the draft for the policy's k (chosen for the whole batch) for `subset` (default: all)."""
         k = self.policy.choose(batch) if self.session.attached else 0
-        self.session.ask(batch, k, self.runner.max_context)
-        self.metrics.step_k.observe(k)
+        self.session.ask(batch if subset is None else subset, k, self.runner.max_context)
+        if subset is None:
+            self.metrics.step_k.observe(k)
 
     def _rows(self, batch: list[Request], proposals: dict[int, Proposal]):
         rows, drafts = [], []

@@ -65,9 +65,12 @@ def test_probe_when_plain_wins():
     assert chosen == [0, 0, 0, 4, 0, 0, 0, 4]
 
 
-def test_unmeasured_batch_speculates_to_measure():
+def test_unmeasured_batch_measures_plain_then_speculates():
     c = StepCosts(BUCKETS)
-    assert SpeculationPolicy("adaptive", c).choose(reqs(3)) == 4
+    policy = SpeculationPolicy("adaptive", c)
+    assert policy.choose(reqs(3)) == 0  # nothing known at this batch: a plain step first
+    c.observe_verify(3, 1, 1e-3)
+    assert policy.choose(reqs(3)) == 4  # wider steps assumed as cheap until measured: try the widest
 
 
 def test_acceptance_estimate_tracks_verdicts():
