@@ -39,6 +39,9 @@ def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(TargetConfig, argv, "specsplit serve-target", "Target service for specsplit.")
     setup_logging(config.log_format, config.log_level, "target")
+    # The step loop, the gRPC threads and the streamer share the GIL: at the default 5 ms switch interval
+    # a busy thread can hold up a message that has already arrived by up to 5 ms per thread hop.
+    sys.setswitchinterval(0.0005)
     # Metrics, health (NOT_SERVING) and the gRPC port (UNAVAILABLE) come up before the model loads.
     metrics = service_metrics("target", config, verify_backend=config.verify_backend)
     metrics.draft_connected.set(0)
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         mc.name,
         mc.vocab_size,
         runner.max_context,
-        runner.graphs,
+        runner.num_graphs,
     )
 
     try:

@@ -4,9 +4,9 @@
 A host resolves to all of its addresses, so the headless Service `specsplit-draft` yields every draft
 pod; the pool re-resolves every `refresh_s`, opening streams to new pods and closing gone ones.
 
-To the scheduler the pool is one draft link (`connected`, `epoch`, `exchange`): it splits each step's
-SpeculateRequest by request, sends every replica its part on that replica's own DraftLink, and merges
-the answers. Placement and failure are per request:
+To the draft session the pool is one draft link (`connected`, `epoch`, `send`, `receive`): it splits
+each step's SpeculateRequest by request, sends every replica its part on that replica's own DraftLink,
+and merges the answers to that step. Placement and failure are per request:
 - A request is placed when it starts (its DraftRequestStart) and stays on that replica while the
   replica's stream lives: the replica holds its draft KV (sticky).
 - Placement is least-loaded by the drafts' own free KV slots (`free_slots` in every
@@ -25,7 +25,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from common.metrics import ServiceMetrics
@@ -127,7 +126,7 @@ class DraftPool:
         self.placement: dict[int, tuple[Replica, int]] = {}  # request id -> (replica, its link epoch)
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="draft-pool")
+        self._sent: dict[int, tuple[dict[Replica, int], set[int]]] = {}  # step -> (replica: epoch, lost)
         self._thread = threading.Thread(target=self._refresh_loop, name="draft-pool", daemon=True)
 
     # -- the DraftLink interface the scheduler uses --------------------------------
@@ -147,7 +146,6 @@ class DraftPool:
         self._closed.set()
         for replica in list(self.replicas.values()):
             replica.link.close()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def wait_connected(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -157,26 +155,45 @@ class DraftPool:
             time.sleep(0.02)
         return True
 
-    def exchange(
-        self, msg: draft_pb2.SpeculateRequest, epoch: int, timeout: float
-    ) -> draft_pb2.SpeculateResponse | None:
-        """Split `msg` over the replicas, send the parts at once, merge the answers (None: none answered)."""
+    def send(self, msg: draft_pb2.SpeculateRequest, epoch: int) -> bool:
+        """Split `msg` over the replicas and queue each part on its stream, without waiting.
+
+        Each part goes to the stream its requests were placed on (the epoch read while splitting); a
+        stream that has just gone refuses it, and its requests are reported unknown by `receive`.
+        False when nothing could be sent and nothing needs reporting.
+        """
         with self._lock:
             parts, lost = self._split(msg)
-        # Each part goes to the stream its requests were placed on (the epoch read while splitting): if
-        # that stream has just been replaced, the link refuses the part and the next step re-places them.
-        futures = {
-            replica: self._pool.submit(replica.link.exchange, part, link_epoch, timeout)
-            for replica, (part, link_epoch) in parts.items()
-        }
-        merged = draft_pb2.SpeculateResponse(step=msg.step, unknown_request_ids=sorted(lost))
+            sent: dict[Replica, int] = {}
+            for replica, (part, link_epoch) in parts.items():
+                if replica.link.send(part, link_epoch):
+                    sent[replica] = link_epoch
+                else:
+                    lost.update(self._forget(replica, link_epoch))
+            if not sent and not lost:
+                return False
+            self._sent[msg.step] = (sent, lost)
+        return True
+
+    def receive(self, step: int, epoch: int, deadline: float) -> draft_pb2.SpeculateResponse | None:
+        """The merged answers to `step` (None: no replica answered and none lost a request).
+
+        Requests of a replica whose stream ended are listed in `unknown_request_ids`: the scheduler
+        starts them again and the pool places them on a live replica. A replica that misses the deadline
+        costs only its own requests' proposals this step.
+        """
+        with self._lock:
+            sent, lost = self._sent.pop(step, ({}, set()))
+            for old in [s for s in self._sent if s < step]:  # sends nobody waits for (releases only)
+                del self._sent[old]
+        merged = draft_pb2.SpeculateResponse(step=step, unknown_request_ids=sorted(lost))
         answered = False
-        for replica, future in futures.items():
-            response = future.result()
+        for replica, link_epoch in sent.items():
+            response = replica.link.receive(step, link_epoch, deadline)
             if response is None:
-                if not replica.link.connected:  # its stream broke: its requests start over elsewhere
+                if not replica.link.connected or replica.link.epoch != link_epoch:
                     with self._lock:
-                        merged.unknown_request_ids.extend(self._forget_replica_requests(replica))
+                        merged.unknown_request_ids.extend(self._forget(replica, link_epoch))
                 continue
             answered = True
             with self._lock:
@@ -223,12 +240,14 @@ class DraftPool:
                 lost.add(verdict.request_id)
             else:
                 part(replica).verdicts.append(verdict)
-        for rid in msg.propose:
+        for i, rid in enumerate(msg.propose):
             replica = self._live_placement(rid)
             if replica is None:
                 lost.add(rid)
-            else:
-                part(replica).propose.append(rid)
+                continue
+            part(replica).propose.append(rid)
+            if i < len(msg.propose_k):
+                part(replica).propose_k.append(msg.propose_k[i])
         for rid in lost:
             self._drop(rid)
         return parts, lost
@@ -260,11 +279,16 @@ class DraftPool:
         if placed is not None:
             placed[0].requests.discard(rid)
 
-    def _forget_replica_requests(self, replica: Replica) -> list[int]:
-        gone = sorted(replica.requests)
+    def _forget(self, replica: Replica, link_epoch: int | None = None) -> list[int]:
+        """Drops the requests placed on `replica` (on stream `link_epoch`, or any); returns their ids."""
+        gone = sorted(
+            rid
+            for rid in replica.requests
+            if link_epoch is None or self.placement.get(rid, (None, link_epoch))[1] == link_epoch
+        )
         for rid in gone:
             self.placement.pop(rid, None)
-        replica.requests.clear()
+            replica.requests.discard(rid)
         replica.free_slots, replica.placed_since_report = -1, 0
         return gone
 
@@ -286,7 +310,7 @@ class DraftPool:
                     log.info("draft replica added: %s", address)
             for address in [a for a in self.replicas if a not in addresses]:
                 replica = self.replicas.pop(address)
-                self._forget_replica_requests(replica)
+                self._forget(replica)
                 replica.link.close()
                 log.info("draft replica removed: %s", address)
         self._update_gauges()
