@@ -20,7 +20,9 @@ def test_codec_round_trip_is_exact():
     arr = encode_inputs(values)
     got = decode_inputs(arr, len(values))
     assert got == values and [type(v) for v in got] == [type(v) for v in values]
-    assert encode_inputs([True]) is None and encode_inputs([{"a": 1}]) is None and encode_inputs(["s"]) is None
+    assert (
+        encode_inputs([True]) is None and encode_inputs([{"a": 1}]) is None and encode_inputs(["s"]) is None
+    )
 
 
 class Recorder:

@@ -22,6 +22,11 @@ ENABLED = os.environ.get("SPECSPLIT_FUSED_KERNELS", "1") != "0"
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def on_gpu(x: Tensor) -> bool:
+    """Whether the model runs these kernels for x (else the torch references: the CPU path)."""
+    return x.is_cuda and ENABLED
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [rows, dim] any float dtype, row stride `stride`

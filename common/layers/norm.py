@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
 
         Normalise in fp32 like the HF reference: bf16 mean-of-squares loses too much. One fused kernel
         on the GPU, where the eager op chain's launches would dominate a small-batch step."""
-        gpu = x.is_cuda and fused.ENABLED
+        gpu = fused.on_gpu(x)
         if residual is None:
             return (
                 fused.rms_norm(x, self.weight, self.eps)

@@ -30,10 +30,6 @@ from common.layers.shard import divide, set_shard
 from common.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
 
-def _on_gpu(x: Tensor) -> bool:
-    return x.is_cuda and fused.ENABLED
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm, **kw):
         super().__init__()
@@ -74,7 +70,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # views: the fused kernel reads them in place
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        gpu = _on_gpu(x)
+        gpu = fused.on_gpu(x)
         # Rotary on q and k and the K/V cache write in one kernel; then attention over the live KV only.
         rotary_and_cache = fused.rotary_and_cache if gpu else fused.rotary_and_cache_reference
         q = rotary_and_cache(q, k, v, *rope, positions, slots, k_cache, v_cache)
@@ -94,7 +90,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
-        act = fused.silu_and_mul(gate_up) if _on_gpu(x) else fused.silu_and_mul_reference(gate_up)
+        act = fused.silu_and_mul(gate_up) if fused.on_gpu(x) else fused.silu_and_mul_reference(gate_up)
         return self.down_proj(act)
 
 
