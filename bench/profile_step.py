@@ -129,7 +129,8 @@ def kernel_group(name: str) -> str:
     for key, group in (("nccl", "nccl collectives"), ("_attention", "attention (triton)"),
                        ("rotary_cache", "rotary + KV write"), ("rms_norm", "rmsnorm (+add)"),
                        ("silu", "silu_and_mul"), ("gemv", "gemm/gemv"), ("gemm", "gemm/gemv"),
-                       ("nvjet", "gemm/gemv"), ("cutlass", "gemm/gemv"), ("splitk", "gemm/gemv")):  # fmt: skip
+                       ("nvjet", "gemm/gemv"), ("cutlass", "gemm/gemv"),
+                       ("splitk", "gemm/gemv")):  # fmt: skip
         if key in n:
             return group
     return "other"

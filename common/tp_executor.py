@@ -36,6 +36,20 @@ NO_MULTICAST_ENV = {
 
 Handler = Callable[..., Any]
 
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    if device.startswith("cuda"):
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        return torch.device("cuda", local_rank)
+    return torch.device(device)
+
+
 # A step command travels as one fixed-size int64 message: a header and the packed inputs. Only inputs
 # past the capacity (a long prefill) need a second broadcast, and only values the codec cannot pack
 # (rare control calls) fall back to a pickled object.

@@ -140,8 +140,11 @@ def test_whole_model_kernel_path_matches_reference_path(tmp_path, monkeypatch):
 
     path = make_tiny_model(tmp_path / "m", seed=2, num_layers=2, architecture="Qwen2ForCausalLM")
     model = load_model(path, Comm(), device=DEVICE)
-    script = [([0, 1], [0, 0], [[5, 6, 7, 8, 9, 10], [11, 12]]), ([0, 1], [6, 2], [[1, 2, 3, 4], [4, 3, 2, 1]]),
-              ([1, 0], [6, 10], [[7], [8]])]  # fmt: skip
+    script = [
+        ([0, 1], [0, 0], [[5, 6, 7, 8, 9, 10], [11, 12]]),
+        ([0, 1], [6, 2], [[1, 2, 3, 4], [4, 3, 2, 1]]),
+        ([1, 0], [6, 10], [[7], [8]]),
+    ]
     outs = {}
     for kernels in (False, True):
         monkeypatch.setattr(fused, "on_gpu", lambda x, k=kernels: k)

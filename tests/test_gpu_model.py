@@ -101,7 +101,7 @@ def test_nccl_tp2_matches_tp1_and_graphed_local_argmax(model_dir):
     cache = KVCache.for_model(tp1, 5, 64)
     ids = (torch.arange(15, device="cuda:0").view(3, 5) * 37 % 1000) + 1
     with torch.inference_mode():
-        hidden = tp1(ids, torch.arange(5, device="cuda:0").repeat(3, 1), torch.tensor([0, 1, 2], device="cuda:0"),
-                     cache, 64)  # fmt: skip
+        positions = torch.arange(5, device="cuda:0").repeat(3, 1)
+        hidden = tp1(ids, positions, torch.tensor([0, 1, 2], device="cuda:0"), cache, 64)
         ref = tp1.compute_logits(hidden.reshape(-1, hidden.shape[-1])).argmax(-1).cpu()
     assert torch.equal(ranks[0]["replay"][:, 0], ref)
