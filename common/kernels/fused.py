@@ -20,6 +20,7 @@ from torch import Tensor
 # SPECSPLIT_FUSED_KERNELS=0 falls back to the torch references on the GPU too (for A/B comparisons).
 ENABLED = os.environ.get("SPECSPLIT_FUSED_KERNELS", "1") != "0"
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_SM_COUNT: dict[torch.device, int] = {}
 
 
 def on_gpu(x: Tensor) -> bool:
@@ -384,9 +385,6 @@ def _attention_combine_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-_SM_COUNT: dict[torch.device, int] = {}
-
-
 def _num_splits(q: Tensor, programs: int, ctx_len: int, block_n: int) -> int:
     """Split the keys (flash-decoding) until about two waves of programs fill the GPU."""
     if q.device not in _SM_COUNT:
@@ -471,3 +469,126 @@ def attention_reference(
     probs = scores.softmax(-1).to(values.dtype).view(bsz, nkv, group * seq, ctx_len)
     out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, nkv, group * seq, hd]
     return out.view(bsz, nkv, group, seq, head_dim).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads, head_dim)
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr,  # [M, K] contiguous, M small (decode / verify tokens)
+    w_ptr,  # [N, K] contiguous (an nn.Linear weight)
+    b_ptr,  # [N] bias (read only when HAS_BIAS)
+    out_ptr,  # SPLIT_K == 1: [M, N] x's dtype; else fp32 [SPLIT_K, M, N] partial sums
+    M,
+    N,
+    K,
+    k_chunk,  # K per split, a multiple of BLOCK_K
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    # Weight-streaming GEMM for a handful of rows: each program reads a [BLOCK_N, k_chunk] slab of W once.
+    # Split-K partials go to a workspace (no atomics: the sum order, so the result, is deterministic).
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    m = tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_valid, n_valid = m < M, n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_start = split * k_chunk
+    k_end = tl.minimum(k_start + k_chunk, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_valid = k < k_end
+        x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        w_mask = n_valid[:, None] & k_valid[None, :]
+        w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=w_mask, other=0.0)
+        if DOT_FP32:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    mask = m_valid[:, None] & n_valid[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + (split * M + m[:, None]) * N + n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    part_ptr,  # fp32 [SPLIT_K, M, N]
+    b_ptr,  # [N] bias (read only when HAS_BIAS)
+    out_ptr,  # [M, N] output dtype
+    M,
+    N,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = n < N
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: deterministic
+        acc += tl.load(part_ptr + (s * M + row) * N + n, mask=valid, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + n, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+# SPECSPLIT_SKINNY_GEMM=1 routes small-M linears (decode / verify) through the kernel above instead of
+# cuBLAS, whose kernels for M <= 16 and N ~ 2k read the weights at a fraction of HBM bandwidth.
+SKINNY_GEMM = os.environ.get("SPECSPLIT_SKINNY_GEMM", "0") == "1"
+SKINNY_MAX_M = 64
+
+
+def _skinny_config(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K): enough programs for ~4 per SM, K split only when N is small."""
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n = 64
+    block_k = 128 if block_m <= 32 else 64
+    n_blocks = triton.cdiv(n, block_n)
+    split = max(1, min(triton.cdiv(4 * sms, n_blocks), k // (4 * block_k)))
+    return block_m, block_n, block_k, split
+
+
+def skinny_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, split_k: int | None = None
+) -> Tensor:
+    """F.linear(x, weight, bias) for x [..., K] with few rows (<= SKINNY_MAX_M); deterministic."""
+    k = x.shape[-1]
+    n = weight.shape[0]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    if x.device not in _SM_COUNT:
+        _SM_COUNT[x.device] = (
+            torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        )
+    block_m, block_n, block_k, split = _skinny_config(m, n, k, _SM_COUNT[x.device])
+    split = split_k or split
+    k_chunk = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_chunk)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    has_bias = bias is not None
+    b = bias if has_bias else weight
+    _skinny_linear_kernel[(triton.cdiv(n, block_n), split)](
+        x2, weight, b, part, m, n, k, k_chunk, HAS_BIAS=has_bias, SPLIT_K=split, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=_INTERPRETED or x.dtype == torch.float32,
+        num_warps=4, num_stages=4,
+    )  # fmt: skip
+    if split > 1:
+        block = min(1024, triton.next_power_of_2(n))
+        grid = (m, triton.cdiv(n, block))
+        _split_k_reduce_kernel[grid](part, b, out, m, n, HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block)
+    return out.view(*x.shape[:-1], n)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The model's GEMM: the skinny kernel for decode-sized inputs when enabled, else cuBLAS."""
+    if SKINNY_GEMM and x.is_cuda and x.numel() // x.shape[-1] <= SKINNY_MAX_M:
+        return skinny_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
