@@ -153,24 +153,3 @@ def test_whole_model_kernel_path_matches_reference_path(tmp_path, monkeypatch):
             outs[kernels] = [forward_rows(model, cache, *step) for step in script]
     for got, want in zip(outs[True], outs[False]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize(
-    "dtype,m,n,k,bias,split",
-    [
-        (torch.float32, 5, 96, 256, True, 1),
-        (torch.float32, 5, 96, 256, False, 3),  # split-K with a ragged last chunk
-        (torch.bfloat16, 33, 70, 192, True, 2),  # N not a multiple of the block
-        (torch.float32, 1, 64, 128, False, None),  # the automatic configuration
-    ],
-)
-def test_skinny_linear_matches_f_linear(dtype, m, n, k, bias, split):
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(m, k, generator=g).to(dtype).to(DEVICE)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype).to(DEVICE)
-    b = torch.randn(n, generator=g).to(dtype).to(DEVICE) if bias else None
-    got = fused.skinny_linear(x.view(1, m, k), w, b, split_k=split)
-    want = torch.nn.functional.linear(x.view(1, m, k), w, b)
-    assert got.shape == want.shape and got.dtype == dtype
-    torch.testing.assert_close(got.float(), want.float(), rtol=_tol(dtype), atol=_tol(dtype))
-    assert torch.equal(fused.skinny_linear(x.view(1, m, k), w, b, split_k=split), got)  # deterministic
