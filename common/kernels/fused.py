@@ -1,13 +1,12 @@
-"""Fused kernels for the GPU forward: (residual-add +) RMSNorm, rotary, SiLU-and-mul, rotary + KV write,
-and decode / verify attention over the live KV of each row.
+"""Fused kernels for the GPU forward: (residual-add +) RMSNorm, SiLU-and-mul, rotary + KV-cache write,
+and decode / verify attention over the live KV of each row (split-KV, flash-decoding style).
 
-In eager PyTorch each is a chain of 6-8 small kernels (upcast, square, mean, rsqrt, scale, downcast,
-weight; split, negate, concat, two products, sum, downcast). A 28-layer model runs four norms and two
-rotations per layer, so at small batch these launches, not the weights, set the step time. Each Triton
-kernel here does one pass. The torch references are the CPU path of the model (common/layers/) and the
-tests compare the two.
+In eager PyTorch each is a chain of small kernels (upcast, square, mean, rsqrt, scale, downcast, weight;
+split, negate, concat, products, index_put; gather of the cache, two matmuls, mask, softmax). At small
+batch these launches and the copies, not the weights, set the step time. Each Triton kernel here does
+one pass. The torch references beside them are the CPU path of the model (common/layers/,
+common/models/transformer.py) and tests/test_fused_kernels.py compares the two.
 """
-
 from __future__ import annotations
 
 import os
@@ -96,47 +95,6 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     summed = x + residual
     return rms_norm_reference(summed, weight, eps), summed
-
-
-@triton.jit
-def _rotary_kernel(
-    x_ptr,  # [tokens, heads, head_dim] contiguous
-    cos_ptr,  # [tokens, head_dim] fp32 contiguous
-    sin_ptr,  # [tokens, head_dim] fp32 contiguous
-    out_ptr,  # [tokens, heads, head_dim] x's dtype
-    heads,
-    HALF: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK)
-    mask = d < HALF
-    base = (token * heads + head) * (2 * HALF)
-    x1 = tl.load(x_ptr + base + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + base + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
-    c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
-    s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
-    s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
-    # rotate-half: [x1, x2] -> [x1 * c1 - x2 * s1, x2 * c2 + x1 * s2]
-    tl.store(out_ptr + base + d, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + base + HALF + d, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, L, heads, head_dim]; cos, sin [B, L, 1, head_dim] fp32 -> rotated x (one kernel)."""
-    bsz, seq, heads, head_dim = x.shape
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    tokens = bsz * seq
-    if tokens:
-        cos2 = cos.reshape(tokens, head_dim).contiguous()
-        sin2 = sin.reshape(tokens, head_dim).contiguous()
-        half = head_dim // 2
-        _rotary_kernel[(tokens, heads)](x, cos2, sin2, out, heads, HALF=half,
-                                        BLOCK=triton.next_power_of_2(half))  # fmt: skip
-    return out
 
 
 def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
