@@ -2,6 +2,7 @@
 
     python bench/profile_step.py --preset qwen1.5b --batch 1 16 --width 5 [--tp 2] [--out step.json]
     python bench/profile_step.py --model DIR --batch 1 --width 5
+    python bench/profile_step.py --model DIR --batch 1 --width 5 --whole-step   # the service's step
 
 A preset builds random bf16 weights of real model shapes on the GPU (no checkpoint to write): qwen1.5b
 (Qwen2.5-1.5B) and qwen7b (Qwen2.5-7B). For each batch it reports, 3 repeats each:
@@ -11,6 +12,8 @@ A preset builds random bf16 weights of real model shapes on the GPU (no checkpoi
   - the weight-read floor (this rank's weight bytes / HBM bandwidth) and graph_ms's fraction of it;
   - a per-kernel breakdown from torch.profiler of eager steps (kernel GPU time, grouped).
 --tp 2 spawns the second rank (NCCL); every rank builds its own shard and replays the same graphs.
+--whole-step instead times the target service's own step (TargetRunner.step: forward + rejection kernel
+in one replay, TP=1) and prints its top kernels.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.transformer import Transformer
 from common.tp_executor import NO_MULTICAST_ENV, TPExecutor
+from target_service.config import TargetConfig
+from target_service.runner import StepRow, TargetRunner
 
 PRESETS = {
     # Qwen2.5-1.5B: 1.54B parameters, tied embeddings.
@@ -203,6 +208,39 @@ def _worker(rank: int, world: int, init_method: str, args) -> None:
     Bench(comm, args).executor.serve_forever()
 
 
+def whole_step(args) -> None:
+    """The target service's verify step (forward + rejection kernel, one graph replay), TP=1."""
+    config = TargetConfig(
+        model=args.model,
+        device="cuda",
+        dtype="bfloat16",
+        max_batch_size=16,
+        log_format="json",  # no progress bar
+        num_speculative_tokens=args.width - 1,
+    )
+    runner = TargetRunner(init_tp(1, 0, device=torch.device("cuda")), config)
+    for b in args.batch:
+        w = args.width
+        # Rows that accept nothing: the step's shape is what matters here, not the tokens.
+        rows = [StepRow(1, [1] * (w - 1), 100, slot, 0.0, slot) for slot in range(b)]
+        for _ in range(5):
+            runner.step(rows, w)
+        torch.cuda.synchronize()
+        gpu = 0.0
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            gpu += runner.step(rows, w).gpu_seconds
+        wall = time.perf_counter() - t0
+        print(f"B={b}: whole step (forward + rejection kernel, one replay): "
+              f"{wall / args.steps * 1e3:.3f} ms wall, {gpu / args.steps * 1e3:.3f} ms GPU")  # fmt: skip
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            for _ in range(10):
+                runner.step(rows, w)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     src = ap.add_mutually_exclusive_group(required=True)
@@ -214,7 +252,13 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--profile", action="store_true", help="add the per-kernel breakdown")
     ap.add_argument("--out", help="write the JSON result here")
+    ap.add_argument("--whole-step", action="store_true", help="time TargetRunner.step (needs --model)")
     args = ap.parse_args()
+    if args.whole_step:
+        if not args.model:
+            ap.error("--whole-step needs --model")
+        whole_step(args)
+        return 0
     os.environ.update(NO_MULTICAST_ENV)
     procs = []
     if args.tp > 1:
