@@ -146,3 +146,23 @@ class StaticStep:
         if out.shape[0] == padded:
             return out[:batch]
         return out[: batch * width]  # flattened [B * L, ...] outputs
+
+
+@torch.inference_mode()
+def warm_eager_shapes(model, cache, scratch_slot: int) -> None:
+    """Compiles at start-up every kernel variant an eager forward inside `fused.eager_shapes()` can need
+    (prefills, a draft's catch-up), on the scratch slot. On every TP rank: the forwards hold collectives."""
+    from common.batch import CTX_ROUND
+    from common.kernels.fused import EAGER_WARM_SHAPES, eager_shapes
+
+    device = cache.k[0].device
+    if device.type != "cuda":
+        return
+    with eager_shapes():
+        for batch, length in EAGER_WARM_SHAPES:
+            ids = torch.zeros(batch, length, dtype=torch.int64, device=device)
+            positions = torch.arange(length, device=device).repeat(batch, 1)
+            slots = torch.full((batch,), scratch_slot, dtype=torch.int64, device=device)
+            ctx = min(cache.max_len, -(-length // CTX_ROUND) * CTX_ROUND)
+            model(ids, positions, slots, cache, ctx)
+    torch.cuda.synchronize(device)

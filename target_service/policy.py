@@ -9,7 +9,7 @@ k in [0, max k of the batch] that maximises
 
 with E_r(k) = (1 - a_r^(k+1)) / (1 - a_r) the expected tokens of request r at per-token acceptance a_r.
 Step costs are measured: verify times per (batch bucket, width) from the runner's start-up timing, then
-running averages of real steps; draft waits per (batch bucket, k) from real exchanges. A width that has
+the median of the recent real steps; draft waits per (batch bucket, k) from real exchanges. A width that has
 never been measured is assumed as cheap as the nearest measured one below it (optimism makes the policy
 try it once); an unmeasured draft wait is taken from the nearest measured k. While k = 0 wins, every
 `probe_every`-th step still speculates, so that the acceptance and draft estimates stay fresh. Output
@@ -19,6 +19,8 @@ never depends on k for greedy requests: verification is lossless for any k.
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 from collections.abc import Sequence
 
 from target_service.request import Request
@@ -36,27 +38,31 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class StepCosts:
-    """Running averages of step costs, keyed by (batch bucket, width) and (batch bucket, k)."""
+    """Recent step costs, keyed by (batch bucket, width) and (batch bucket, k): the median of the last
+    `window` observations, so a one-off stall (a slow draft round, a GC pause) does not swing k."""
 
-    def __init__(self, batch_buckets: Sequence[int], decay: float = 0.9):
+    def __init__(self, batch_buckets: Sequence[int], window: int = 16):
         self.batch_buckets = list(batch_buckets)
-        self.decay = decay
-        self.verify: dict[tuple[int, int], float] = {}
+        self.window = window
+        self._verify: dict[tuple[int, int], collections.deque[float]] = {}
+        self._draft: dict[tuple[int, int], collections.deque[float]] = {}
+        self.verify: dict[tuple[int, int], float] = {}  # medians, updated on every observation
         self.draft: dict[tuple[int, int], float] = {}
 
     def bucket(self, batch: int) -> int:
         i = bisect.bisect_left(self.batch_buckets, batch)
         return self.batch_buckets[min(i, len(self.batch_buckets) - 1)]
 
-    def _update(self, table: dict, key: tuple[int, int], seconds: float) -> None:
-        old = table.get(key)
-        table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+    def _update(self, recent: dict, medians: dict, key: tuple[int, int], seconds: float) -> None:
+        window = recent.setdefault(key, collections.deque(maxlen=self.window))
+        window.append(seconds)
+        medians[key] = statistics.median(window)
 
     def observe_verify(self, batch: int, width: int, seconds: float) -> None:
-        self._update(self.verify, (self.bucket(batch), width), seconds)
+        self._update(self._verify, self.verify, (self.bucket(batch), width), seconds)
 
     def observe_draft(self, batch: int, k: int, seconds: float) -> None:
-        self._update(self.draft, (self.bucket(batch), k), seconds)
+        self._update(self._draft, self.draft, (self.bucket(batch), k), seconds)
 
     @staticmethod
     def _nearest_below(table: dict, b: int, n: int) -> float | None:

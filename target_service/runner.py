@@ -23,8 +23,9 @@ import torch
 
 from common.batch import pack
 from common.config import DTYPES
-from common.cuda_graphs import buckets
+from common.cuda_graphs import buckets, warm_eager_shapes
 from common.distributed import Comm, add_comm_stats, comm_stats
+from common.kernels.fused import eager_shapes
 from common.kernels.rejection import verify
 from common.kernels.rejection_ref import verify_reference
 from common.kv_cache import KVCache
@@ -184,6 +185,7 @@ class TargetRunner:
         # Plain decoding (width 1) up to the default k: every width the scheduler produces by default.
         self.widths = list(range(1, config.num_speculative_tokens + 2))
         self.num_graphs = self.warm_up(self.widths)
+        warm_eager_shapes(self.model, self.cache, self.scratch_slot)  # prefills of any length
         # Timed on every rank: the graphs hold collectives, so all ranks must replay them together.
         self.step_costs = self.time_steps(self.widths)
         self.serving = True
@@ -279,7 +281,8 @@ class TargetRunner:
     def prefill(self, rows: list[list[int]], slots: list[int]) -> None:
         """Writes the KV of prompt tokens (all but the last, which the first verify step feeds)."""
         batch = pack(rows, [0] * len(rows), slots, self.device, self.max_len)
-        self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
+        with eager_shapes():  # any prompt length: never a kernel compile while serving
+            self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
 
     @torch.inference_mode()
     def verify_step(

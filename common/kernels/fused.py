@@ -7,9 +7,12 @@ batch these launches and the copies, not the weights, set the step time. Each Tr
 one pass. The torch references beside them are the CPU path of the model (common/layers/,
 common/models/transformer.py) and tests/test_fused_kernels.py compares the two.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -20,6 +23,32 @@ from torch import Tensor
 ENABLED = os.environ.get("SPECSPLIT_FUSED_KERNELS", "1") != "0"
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _SM_COUNT: dict[torch.device, int] = {}
+# Split count for attention calls outside CUDA graphs (see `eager_shapes`); None: chosen per shape.
+_EAGER_SPLITS: list[int | None] = [None]
+
+
+@contextmanager
+def eager_shapes() -> Iterator[None]:
+    """For eager forwards of any shape (a prefill, a draft's catch-up over several tokens).
+
+    The attention kernel's split count is a `tl.constexpr` chosen from (B, L, ctx_len): graphed steps
+    have a few static shapes, all compiled at start-up, but eager forwards would compile a new variant
+    for almost every new prompt length (~0.1-1 s each) in the middle of serving. Inside this context one
+    split is used, so the variants reduce to the block size and the integer specialisations of L, all of
+    which the services compile at start-up (`warm_eager_shapes`).
+    """
+    old = _EAGER_SPLITS[0]
+    _EAGER_SPLITS[0] = 1
+    try:
+        yield
+    finally:
+        _EAGER_SPLITS[0] = old
+
+
+# (batch, length) pairs whose eager forwards compile every kernel variant `eager_shapes` can use: the
+# attention block sizes (group * L up to 16, 32, 64 and more) and Triton's integer specialisations of
+# L and B * L (1, a multiple of 16, anything else).
+EAGER_WARM_SHAPES = ((1, 1), (1, 2), (1, 3), (1, 7), (1, 16), (1, 33), (2, 8), (3, 3), (2, 1), (16, 1))
 
 
 def on_gpu(x: Tensor) -> bool:
@@ -375,7 +404,7 @@ def attention(
     block_m = max(16, min(64, triton.next_power_of_2(group * seq)))
     block_n = 64
     m_blocks = triton.cdiv(group * seq, block_m)
-    splits = num_splits or _num_splits(q, bsz * kv_heads * m_blocks, ctx_len, block_n)
+    splits = num_splits or _EAGER_SPLITS[0] or _num_splits(q, bsz * kv_heads * m_blocks, ctx_len, block_n)
     chunk = triton.cdiv(triton.cdiv(ctx_len, splits), block_n) * block_n
     splits = triton.cdiv(ctx_len, chunk)
     q = q.contiguous()
