@@ -30,6 +30,7 @@ from specsplit.v1 import draft_pb2, sampling_pb2, target_pb2
 from target_service.config import TargetConfig
 from target_service.detok import StreamDetokenizer
 from target_service.draft_link import DraftLink
+from target_service.logprobs import add_pending_logprobs
 from target_service.runner import TargetRunner
 
 log = logging.getLogger("specsplit.target")
@@ -102,6 +103,8 @@ class Request:
     steps: int = 0
     draft_synced: int = -1  # committed length the draft knows; -1: the draft has not seen it
     last_accepted: int = 0
+    logprobs: int | None = None  # alternatives to return per token; None: no logprobs
+    pending_logprobs: list[target_pb2.TokenLogprob] = field(default_factory=list)
 
     @property
     def sampling(self) -> sampling_pb2.SamplingParams:
@@ -349,6 +352,7 @@ class Scheduler:
         )
         t_forward = time.perf_counter()
         results = self._verify(batch, drafts, sparse, logits, width)
+        add_pending_logprobs(batch, logits, width, results)
         now = time.perf_counter()
         self.metrics.verify_step.observe(now - t0)
         for b, req in enumerate(batch):
@@ -460,7 +464,9 @@ class Scheduler:
         else:
             self.metrics.inter_token_latency.observe(now - req.last_chunk)
         req.last_chunk = now
-        req.out.put(target_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text))
+        logprobs, req.pending_logprobs[: len(ids)] = req.pending_logprobs[: len(ids)], []
+        req.out.put(target_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text,
+                                                logprobs=logprobs))  # fmt: skip
 
     def _usage(self, req: Request) -> target_pb2.Usage:
         return target_pb2.Usage(
