@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from common.kernels.sampling import apply_top_k_top_p
+from common.kernels.rejection import prepare_target
 from specsplit.v1 import target_pb2
 
 # Most alternatives a request may ask for (OpenAI's and vLLM's default limit).
@@ -29,16 +29,13 @@ MAX_LOGPROBS = 20
 def processed_logprobs(
     logits: Tensor,  # [N, V] target logits, any float dtype
     temperature: Tensor,  # [N] fp32, 0 = greedy
-    top_k: Tensor,  # [N] int, 0 = off
-    top_p: Tensor,  # [N] fp32, >= 1 = off
+    top_k: Tensor | None,  # [N] int32, 0 = off; None: off for every row
+    top_p: Tensor | None,  # [N] fp32, >= 1 = off; None: off for every row
 ) -> Tensor:  # [N, V] fp32 log-probabilities
-    greedy = temperature <= 0
-    scaled = logits.float() / torch.where(greedy, 1.0, temperature.float())[:, None]
-    top_k = torch.where(greedy, 0, top_k)
-    top_p = torch.where(greedy, 1.0, top_p.float())
-    truncated = apply_top_k_top_p(scaled, top_k if bool((top_k > 0).any()) else None,
-                                  top_p if bool((top_p < 1).any()) else None)  # fmt: skip
-    return truncated.log_softmax(dim=-1)
+    """The rejection step's own target distribution (prepare_target: 1/T, top-k, top-p; greedy rows
+    untouched), in log space."""
+    masked, inv_temp = prepare_target(logits, temperature, top_k, top_p)
+    return (masked.float() * inv_temp[:, None]).log_softmax(dim=-1)
 
 
 def token_logprobs(
@@ -63,8 +60,8 @@ def token_logprobs(
     logprobs = processed_logprobs(
         logits[torch.tensor(rows, device=device)],
         per_row(temperature, torch.float32),
-        per_row(top_k, torch.int32),
-        per_row(top_p, torch.float32),
+        per_row(top_k, torch.int32) if any(top_k) else None,
+        per_row(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
     )
     flat = [t for ts in emitted for t in ts]
     tokens = torch.tensor(flat, dtype=torch.int64, device=device)
