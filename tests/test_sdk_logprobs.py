@@ -1,5 +1,5 @@
-"""Logprobs and the drain timeout through the SDK, against a real draft and target whose draft agrees
-with the target often (the demo pair), so speculation accepts and rejects drafts (multi-process: slow).
+"""Logprobs and the drain timeout through the SDK, against the real services of conftest_sdk (whose draft
+shares the target's first layer, so speculation accepts and rejects drafts; multi-process: slow).
 
 Logprobs are checked against Hugging Face transformers' forward of the same checkpoint over the
 generated sequence, and speculative values against plain decoding's (k = 0).
@@ -8,52 +8,32 @@ generated sequence, and speculative values against plain decoding's (k = 0).
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import DemoModels
-from conftest_sdk import STARTUP_TIMEOUT_S
-from service_util import running, start_draft, start_target
+from conftest_sdk import STARTUP_TIMEOUT_S, Stack
+from service_util import running, start_target
 
 import specsplit
 from specsplit import Client, FinishReason, GenerateResult
-from specsplit.launch import ServiceProcess
 
 transformers = pytest.importorskip("transformers")
+HFModel = transformers.PreTrainedModel
+pytest_plugins = ["conftest_sdk"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 ATOL = 1e-4  # fp32 on CPU: batched verify rows against one unbatched transformers forward
 
 
-@dataclass
-class Pair:
-    models: DemoModels
-    draft: ServiceProcess
-    target: ServiceProcess
-
-
 @pytest.fixture(scope="module")
-def pair(demo_models: DemoModels, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    logs = tmp_path_factory.mktemp("logprobs")
-    draft = start_draft(demo_models.draft, logs, "--device", "cpu")
-    target = start_target(demo_models.target, logs, draft, "--num-speculative-tokens", "4")
-    with running(draft, target):
-        draft.wait_ready(STARTUP_TIMEOUT_S)
-        target.wait_ready(STARTUP_TIMEOUT_S)
-        yield Pair(demo_models, draft, target)
-
-
-@pytest.fixture(scope="module")
-def hf(pair: Pair) -> transformers.PreTrainedModel:
+def hf(sdk_stack: Stack) -> HFModel:
     return transformers.AutoModelForCausalLM.from_pretrained(
-        pair.models.target, dtype=torch.float32, attn_implementation="eager"
+        sdk_stack.model, dtype=torch.float32, attn_implementation="eager"
     ).eval()
 
 
-def reference_logprobs(hf: transformers.PreTrainedModel, prompt: list[int], result: GenerateResult,
+def reference_logprobs(hf: HFModel, prompt: list[int], result: GenerateResult,
                        temperature: float = 0.0, top_k: int = 0) -> torch.Tensor:  # fmt: skip
     """[n, V] log-probabilities of each output position: transformers' logits over prompt + output,
     tempered and top-k truncated as the request sampled (greedy: temperature 1, untruncated)."""
@@ -76,10 +56,11 @@ def assert_logprobs_match(result: GenerateResult, want: torch.Tensor, num_top: i
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=ATOL)
 
 
-def test_greedy_logprobs_equal_transformers_and_plain_decoding(pair: Pair, hf: transformers.PreTrainedModel) -> None:  # fmt: skip
-    with Client(pair.target.address, timeout=120) as client:
+def test_greedy_logprobs_equal_transformers_and_plain_decoding(sdk_stack: Stack, hf: HFModel) -> None:
+    with Client(sdk_stack.target.address, timeout=120) as client:
         spec = client.generate(PROMPT, max_new_tokens=32, ignore_eos=True, logprobs=5)
-        plain = client.generate(PROMPT, max_new_tokens=32, ignore_eos=True, logprobs=5, num_speculative_tokens=0)
+        plain = client.generate(PROMPT, max_new_tokens=32, ignore_eos=True, logprobs=5,
+                                num_speculative_tokens=0)  # fmt: skip
     # Speculation really ran: drafts were accepted, and some rejected.
     assert 0 < spec.usage.accepted_tokens < spec.usage.drafted_tokens, spec.usage
     assert plain.usage.drafted_tokens == 0 and plain.token_ids == spec.token_ids
@@ -90,17 +71,17 @@ def test_greedy_logprobs_equal_transformers_and_plain_decoding(pair: Pair, hf: t
         assert a.logprob == pytest.approx(b.logprob, abs=ATOL)
 
 
-def test_sampled_logprobs_follow_temperature_and_top_k(pair: Pair, hf: transformers.PreTrainedModel) -> None:
-    with Client(pair.target.address, timeout=120) as client:
+def test_sampled_logprobs_follow_temperature_and_top_k(sdk_stack: Stack, hf: HFModel) -> None:
+    with Client(sdk_stack.target.address, timeout=120) as client:
         result = client.generate(PROMPT, max_new_tokens=32, ignore_eos=True, temperature=0.8, top_k=20,
                                  seed=3, logprobs=3)  # fmt: skip
     assert result.usage.accepted_tokens > 0, result.usage
     assert_logprobs_match(result, reference_logprobs(hf, PROMPT, result, 0.8, 20), 3)
 
 
-def test_logprobs_travel_with_their_tokens_in_every_delta(pair: Pair) -> None:
+def test_logprobs_travel_with_their_tokens_in_every_delta(sdk_stack: Stack) -> None:
     """Text prompts and stop strings make the target hold tokens back; logprobs stay aligned."""
-    with Client(pair.target.address, timeout=120) as client:
+    with Client(sdk_stack.target.address, timeout=120) as client:
         first = client.generate("Once upon a time", max_new_tokens=40, ignore_eos=True)
         assert len(first.text) > 12, first.text
         stop = first.text[8:12]
@@ -115,8 +96,8 @@ def test_logprobs_travel_with_their_tokens_in_every_delta(pair: Pair) -> None:
     assert streamed == first.token_ids[: len(streamed)] and streamed
 
 
-def test_logprobs_out_of_range_name_the_field(pair: Pair) -> None:
-    with Client(pair.target.address) as client:
+def test_logprobs_out_of_range_name_the_field(sdk_stack: Stack) -> None:
+    with Client(sdk_stack.target.address) as client:
         for n in (-1, 21):
             with pytest.raises(specsplit.InvalidRequestError) as error:
                 client.generate(PROMPT, logprobs=n, request_id=f"lp{n}")
@@ -124,10 +105,10 @@ def test_logprobs_out_of_range_name_the_field(pair: Pair) -> None:
         assert client.generate(PROMPT, max_new_tokens=2).logprobs == []  # not asked: none sent
 
 
-def test_stream_stopped_at_the_drain_timeout_is_unavailable(pair: Pair, tmp_path) -> None:
+def test_stream_stopped_at_the_drain_timeout_is_unavailable(sdk_stack: Stack, tmp_path) -> None:
     """SIGTERM with a stream running past --drain-timeout: UnavailableError (retry elsewhere), not
     INTERNAL, carrying the request id and the tokens received before the stop."""
-    target = start_target(pair.models.target, tmp_path, pair.draft, "--drain-timeout", "0.2",
+    target = start_target(sdk_stack.model, tmp_path, sdk_stack.draft, "--drain-timeout", "0.2",
                           "--max-context-length", "100000")  # fmt: skip
     with running(target):
         target.wait_ready(STARTUP_TIMEOUT_S)

@@ -108,7 +108,7 @@ def test_closed_clients_raise_client_closed_error() -> None:
     client.close()
     client.close()  # idempotent
     for call in (client.model_info, client.health, lambda: client.generate([1]), lambda: client.abort("r")):
-        with pytest.raises(specsplit.ClientClosedError, match="127.0.0.1:1"):
+        with pytest.raises(specsplit.ClientClosedError, match=r"127\.0\.0\.1:1"):
             call()
 
     async def closed_async() -> None:
@@ -129,7 +129,8 @@ def test_usage_acceptance_rate_is_always_a_float() -> None:
 
 
 def test_errors_carry_request_id_and_partial_output() -> None:
-    error = errors.error_from_status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", "r9", [4, 5], "ab")
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    error = errors.error_from_status(code, "Deadline Exceeded", "r9", [4, 5], "ab")
     assert isinstance(error, specsplit.DeadlineExceededError)
     assert (error.request_id, error.token_ids, error.text) == ("r9", [4, 5], "ab")
     assert "request r9" in str(error)
