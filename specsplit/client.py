@@ -185,7 +185,8 @@ class GenerateOptions(TypedDict, total=False):
     top_p: float | None
     seed: int | None
     stop_token_ids: Sequence[int]
-    stop_strings: Sequence[str]
+    # Not Sequence[str]: a str is one, and "as" would mean the stops "a" and "s".
+    stop_strings: list[str] | tuple[str, ...]
     num_speculative_tokens: int | None
     ignore_eos: bool
     request_id: str | None
