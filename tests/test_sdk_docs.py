@@ -49,7 +49,7 @@ def test_sdk_docs_python_examples_run(sdk_stack: Stack) -> None:
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "did you mean max_new_tokens?" in out and "stop_strings: expected a list of strings" in out
-    assert "\nTrue\n" in out and "FinishReason.ABORTED" in out  # the abort example
+    assert "\nTrue\naborted\n" in out  # the abort example
     assert "max_new_tokens max_new_tokens: must be > 0, got 0 my-request" in out
     assert out.count("SERVING") == 1  # the mTLS example
     assert "acceptance " in out and " drafted" in out
@@ -79,8 +79,9 @@ def test_sdk_docs_sample_app_passes_mypy_strict_against_the_installed_package(tm
     """Outside the repository and without PYTHONPATH, mypy must find `specsplit` where pip installed it
     (`make venv` installs the editable package in compat mode for this)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
-    where = subprocess.run([sys.executable, "-c", "import specsplit; print(specsplit.__file__)"], cwd=tmp_path,
-                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    find = "import specsplit; print(specsplit.__file__)"
+    where = subprocess.run([sys.executable, "-c", find], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
     assert where.returncode == 0, f"specsplit is not installed: {where.stderr}"
     installed = Path(where.stdout.strip()).resolve().parent
     if installed != (REPO / "specsplit").resolve():  # e.g. a second worktree sharing one venv
