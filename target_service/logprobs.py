@@ -85,20 +85,21 @@ def token_logprobs(
     return out
 
 
-def add_pending_logprobs(batch: Sequence[Any], logits: Tensor, width: int, results: Sequence[Any]) -> None:
-    """Scheduler hook after the rejection step: appends the logprobs of each emitted token of the requests
-    that asked for them to `req.pending_logprobs` (streamed with the tokens, in order, by _send_chunk).
+def add_pending_logprobs(
+    batch: Sequence[Any], logits: Tensor | None, width: int, emitted: Sequence[Sequence[int]]
+) -> None:
+    """Scheduler hook after the verify step: appends the logprobs of each emitted token of the requests
+    that asked for them to `req.pending_logprobs` (streamed with their tokens, in order).
 
-    batch: the step's requests; results: per request (emitted tokens, accepted count).
+    batch: the step's requests; logits: the step's [Bp * width, V]; emitted: per request, its tokens.
     """
     want = [b for b, req in enumerate(batch) if req.logprobs is not None]
-    if not want:
+    if not want or logits is None:
         return
-    emitted = [results[b][0] if b in want else [] for b in range(len(batch))]
     computed = token_logprobs(
-        logits.reshape(len(batch) * width, -1),
+        logits,
         width,
-        emitted,
+        [emitted[b] if b in want else [] for b in range(len(batch))],
         [r.temperature for r in batch],
         [r.top_k for r in batch],
         [r.top_p for r in batch],
