@@ -58,8 +58,8 @@ def assert_logprobs_match(result: GenerateResult, want: torch.Tensor, num_top: i
 
 def test_greedy_logprobs_equal_transformers_and_plain_decoding(sdk_stack: Stack, hf: HFModel) -> None:
     with Client(sdk_stack.target.address, timeout=120) as client:
-        spec = client.generate(PROMPT, max_new_tokens=32, ignore_eos=True, logprobs=5)
-        plain = client.generate(PROMPT, max_new_tokens=32, ignore_eos=True, logprobs=5,
+        spec = client.generate(PROMPT, max_new_tokens=16, ignore_eos=True, logprobs=5)
+        plain = client.generate(PROMPT, max_new_tokens=16, ignore_eos=True, logprobs=5,
                                 num_speculative_tokens=0)  # fmt: skip
     # Speculation really ran: drafts were accepted, and some rejected.
     assert 0 < spec.usage.accepted_tokens < spec.usage.drafted_tokens, spec.usage
@@ -73,7 +73,7 @@ def test_greedy_logprobs_equal_transformers_and_plain_decoding(sdk_stack: Stack,
 
 def test_sampled_logprobs_follow_temperature_and_top_k(sdk_stack: Stack, hf: HFModel) -> None:
     with Client(sdk_stack.target.address, timeout=120) as client:
-        result = client.generate(PROMPT, max_new_tokens=32, ignore_eos=True, temperature=0.8, top_k=20,
+        result = client.generate(PROMPT, max_new_tokens=16, ignore_eos=True, temperature=0.8, top_k=20,
                                  seed=3, logprobs=3)  # fmt: skip
     assert result.usage.accepted_tokens > 0, result.usage
     assert_logprobs_match(result, reference_logprobs(hf, PROMPT, result, 0.8, 20), 3)
@@ -82,10 +82,10 @@ def test_sampled_logprobs_follow_temperature_and_top_k(sdk_stack: Stack, hf: HFM
 def test_logprobs_travel_with_their_tokens_in_every_delta(sdk_stack: Stack) -> None:
     """Text prompts and stop strings make the target hold tokens back; logprobs stay aligned."""
     with Client(sdk_stack.target.address, timeout=120) as client:
-        first = client.generate("Once upon a time", max_new_tokens=40, ignore_eos=True)
+        first = client.generate("Once upon a time", max_new_tokens=24, ignore_eos=True)
         assert len(first.text) > 12, first.text
         stop = first.text[8:12]
-        with client.stream("Once upon a time", max_new_tokens=40, ignore_eos=True, stop_strings=[stop],
+        with client.stream("Once upon a time", max_new_tokens=24, ignore_eos=True, stop_strings=[stop],
                            logprobs=0) as stream:  # fmt: skip
             deltas = list(stream)
     assert deltas[-1].finish_reason == FinishReason.STOP_STRING
