@@ -254,31 +254,28 @@ class TargetRunner:
 
     @torch.inference_mode()
     def time_steps(self, widths: list[int], repeats: int = 3) -> dict[tuple[int, int], float]:
-        """Seconds of one verify step per (batch bucket, width) at the smallest context bucket, for the
-        speculation policy's first decisions (real steps refine them). On the CPU only small buckets."""
+        """Seconds of one verify step per (batch bucket, width), for the speculation policy's first
+        decisions (real steps refine them). Timed like a real step: pack, copy, replay, read back, on
+        the scratch slot at the smallest context bucket. On the CPU only batch 1, once."""
         costs = {}
-        ctx = self.ctx_buckets[0]
-        if not self.use_graphs:  # eager CPU steps are slow: batch 1, once (real steps refine the rest)
+        if not self.use_graphs:  # eager CPU steps are slow
             repeats = 1
         for batch in self.batch_buckets:
             if not self.use_graphs and batch > 1:
                 break
             for width in widths:
-                if width > ctx:
-                    continue
-                buf = self._buffers(batch, width)
-                graph = self.graphs.get((batch, width, ctx))
-                run = graph[0].replay if graph else (lambda b=buf: self._forward(b, ctx))
-                run()
-                if self.use_graphs:
-                    torch.cuda.synchronize(self.device)
+                args = ([[0] * width] * batch, [0] * batch, [self.scratch_slot] * batch, [0] * batch,
+                        [0.0] * batch, width)  # fmt: skip
+                self._local_step(*args)
                 t0 = time.perf_counter()
                 for _ in range(repeats):
-                    run()
-                if self.use_graphs:
-                    torch.cuda.synchronize(self.device)
+                    self._local_step(*args)
                 costs[batch, width] = (time.perf_counter() - t0) / repeats
         return costs
+
+    def _local_step(self, *args) -> list[list[int]]:
+        _, packed, _ = self.verify_step(*args)
+        return packed.tolist() if packed is not None else []
 
     # -- handlers (every rank) ---------------------------------------------------------------------------
     @torch.inference_mode()
