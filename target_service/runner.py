@@ -61,6 +61,9 @@ class StepResult:
     tokens: list[list[int]]  # emitted tokens per real row (accepted drafts + one more)
     accepted: list[int]
     gpu_seconds: float  # GPU time of the step (CUDA events; 0 on the CPU)
+    # [Bp * width, V], row j of request b at b * width + j; a graph's static buffer: read it before the
+    # next step (logprobs).
+    logits: torch.Tensor | None = None
 
 
 class StepBuffers:
@@ -348,7 +351,7 @@ class TargetRunner:
             out = packed[:n].tolist()
         tokens = [row[: row[-1]] for row in out]
         accepted = [row[-2] for row in out]
-        return StepResult(tokens, accepted, gpu)
+        return StepResult(tokens, accepted, gpu, logits)
 
     def _verify_eager(self, rows: list[StepRow], logits: torch.Tensor, padded: int, width: int):
         buf = self._buffers(padded, width)
