@@ -9,11 +9,14 @@ k in [0, max k of the batch] that maximises
 
 with E_r(k) = (1 - a_r^(k+1)) / (1 - a_r) the expected tokens of request r at per-token acceptance a_r.
 Step costs are measured: verify times per (batch bucket, width) from the runner's start-up timing, then
-the median of the recent real steps; draft waits per (batch bucket, k) from real exchanges. A width that has
-never been measured is assumed as cheap as the nearest measured one below it (optimism makes the policy
-try it once); an unmeasured draft wait is taken from the nearest measured k. While k = 0 wins, every
-`probe_every`-th step still speculates, so that the acceptance and draft estimates stay fresh. Output
-never depends on k for greedy requests: verification is lossless for any k.
+the median of the recent real steps; draft waits per (batch bucket, k) from real exchanges in steady
+state (an ask that starts a request, or catches the draft up after plain steps, costs a prefill rather
+than a round: it is not a sample). A width that has never been measured is assumed as cheap as the
+nearest measured one below it (optimism makes the policy try it once); an unmeasured draft wait is
+taken from the nearest measured k, and none measured counts as free, so the policy speculates and
+learns. While k = 0 wins, every `probe_every`-th step still speculates, so that the estimates stay fresh
+(a probe is two steps: the first catches the draft up, the second is a steady sample). Greedy output
+never depends on k: verification is lossless for any k.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class SpeculationPolicy:
         self.prior_alpha = prior_alpha
         self.probe_every = probe_every
         self.steps_without_spec = 0
+        self.probing = False
 
     def choose(self, batch: Sequence[Request]) -> int:
         """The step's k: each request r then drafts min(k, r.k) tokens."""
@@ -109,11 +113,15 @@ class SpeculationPolicy:
                 best_k, best = k, goodput
         if best_k == 0:
             self.steps_without_spec += 1
-            if self.steps_without_spec >= self.probe_every:
+            # A probe is two speculative steps: the first one catches the draft up (not a cost sample),
+            # the second one measures a steady round.
+            if self.steps_without_spec >= self.probe_every or self.probing:
+                self.probing = not self.probing
                 self.steps_without_spec = 0
                 return max_k
         else:
             self.steps_without_spec = 0
+            self.probing = False
         return best_k
 
     def goodput(self, batch: Sequence[Request], k: int) -> float | None:

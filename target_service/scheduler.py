@@ -358,7 +358,7 @@ class Scheduler:
     def _account(self, batch, width: int, gpu: float, *marks: float) -> None:
         t0, t1, t2, t3, t4 = marks
         self.costs.observe_verify(len(batch), width, t3 - t2)
-        if width > 1:
+        if width > 1 and self.session.last_wait_steady:
             self.costs.observe_draft(len(batch), width - 1, self.session.last_wait)
         self.metrics.verify_step.observe(t3 - t2)
         if gpu:
