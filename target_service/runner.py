@@ -308,6 +308,8 @@ class TargetRunner:
         buf = self._buffers(padded, width)
         buf.load(tokens, starts, slots, seeds, temperatures)
         if not self.use_graphs:
+            if self.events is not None:
+                self.events[0].record()
             logits, packed = self._forward(buf, ctx)
             return logits, packed, padded
         key = (padded, width, ctx)
@@ -316,6 +318,9 @@ class TargetRunner:
             log.warning("capturing a verify graph while serving: batch %d, width %d, context %d", *key)
             self.graphs[key] = self._capture(padded, width, ctx)
         graph, logits, packed, per_replay = self.graphs[key]
+        if self.events is not None:
+            # GPU time starts at the replay: host delays before it (packing, the GIL) are host time.
+            self.events[0].record()
         graph.replay()
         add_comm_stats(per_replay)
         return logits, packed, padded
@@ -324,8 +329,6 @@ class TargetRunner:
     @torch.inference_mode()
     def step(self, rows: list[StepRow], width: int) -> StepResult:
         """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row."""
-        if self.events is not None:
-            self.events[0].record()
         logits, packed, padded = self.executor.run(
             "verify_step",
             tokens=[[r.last_token, *r.drafts] for r in rows],
