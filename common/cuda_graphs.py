@@ -14,11 +14,36 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from common.distributed import add_comm_stats, comm_stats
+
+
+def capture(fn: Callable[[], Any], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, Any, dict]:
+    """Runs `fn` once on a side stream (allocator, Triton compiles), then captures it into a CUDA graph.
+
+    Returns (graph, fn's output in the graph's memory, per-replay collective counts): the Python that
+    counts collectives only runs at capture, so the counts seen then are added again on every replay.
+    """
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    before = comm_stats()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    after = comm_stats()
+    per_replay = {
+        k: (c - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
+        for k, (c, b) in after.items()
+        if (c, b) != before.get(k, (0, 0))
+    }
+    return graph, out, per_replay
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -70,21 +95,11 @@ class StaticStep:
 
     def _capture(self, batch: int, width: int, ctx: int):
         static = self._inputs(batch, width)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotuning)
-            self.fn(static["input_ids"], static["positions"], static["slots"], ctx)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        before = comm_stats()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(static["input_ids"], static["positions"], static["slots"], ctx)
-        after = comm_stats()
-        per_replay = {
-            k: (c - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
-            for k, (c, b) in after.items()
-            if (c, b) != before.get(k, (0, 0))
-        }
+        graph, out, per_replay = capture(
+            lambda: self.fn(static["input_ids"], static["positions"], static["slots"], ctx),
+            self.device,
+            self.pool,
+        )
         return graph, static, out, per_replay
 
     @torch.inference_mode()

@@ -18,8 +18,8 @@ import torch
 
 from common.batch import pack
 from common.config import DTYPES
-from common.cuda_graphs import buckets, warm_eager_shapes
-from common.distributed import Comm, add_comm_stats, comm_stats
+from common.cuda_graphs import buckets, capture, warm_eager_shapes
+from common.distributed import Comm, add_comm_stats
 from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
 from common.kv_cache import KVCache, SlotTable
@@ -63,7 +63,7 @@ class DraftRunner:
         # Every round the default k produces (k + 1 for draft-ahead), catch-up of 1 or 2 tokens. Sampled
         # drafting never replays a greedy round: it only needs the eager warm-up round.
         ks = range(1, config.num_speculative_tokens + 2)
-        self.graphs = self.rounds.warm_up(ks, (1, 2), capture=config.draft_sampling == "greedy")
+        self.graphs = self.rounds.warm_up(ks, (1, 2), capture_graphs=config.draft_sampling == "greedy")
         warm_eager_shapes(self.model, self.cache, config.max_batch_size)  # catch-ups and starts
 
     def pick_greedy(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
@@ -207,29 +207,14 @@ class GreedyRounds:
 
     def _capture(self, batch: int, width: int, k: int, ctx: int):
         static = self._static(batch, width)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.round(static, k, ctx)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        before = comm_stats()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.round(static, k, ctx)
-        after = comm_stats()
-        per_replay = {
-            key: (c - before.get(key, (0, 0))[0], b - before.get(key, (0, 0))[1])
-            for key, (c, b) in after.items()
-            if (c, b) != before.get(key, (0, 0))
-        }
-        return graph, out, per_replay
+        return capture(lambda: self.round(static, k, ctx), self.device, self.pool)
 
     @torch.inference_mode()
-    def warm_up(self, ks, widths, capture: bool) -> int:
+    def warm_up(self, ks, widths, capture_graphs: bool) -> int:
         """One eager round on the scratch slot (kernels warm, every collective site counted once, so its
         metric series exist); on the GPU, captures every (batch bucket, width, k, context bucket)."""
         self.round(self._static(1, 1), 1, self.ctx_buckets[0])
-        if not (self.use_graphs and capture):
+        if not (self.use_graphs and capture_graphs):
             return 0
         for ctx in self.ctx_buckets:
             for batch in self.batch_buckets:

@@ -23,8 +23,8 @@ import torch
 
 from common.batch import pack
 from common.config import DTYPES
-from common.cuda_graphs import buckets, warm_eager_shapes
-from common.distributed import Comm, add_comm_stats, comm_stats
+from common.cuda_graphs import buckets, capture, warm_eager_shapes
+from common.distributed import Comm, add_comm_stats
 from common.kernels.fused import eager_shapes
 from common.kernels.rejection import verify
 from common.kernels.rejection_ref import verify_reference
@@ -104,6 +104,11 @@ class StepBuffers:
         if name == "draft_ids":
             return t.view(self.batch, self.width - 1)
         return t
+
+    def verify_args(self) -> tuple[torch.Tensor, ...]:
+        """The rejection kernel's per-request inputs, in `verify`'s order after the logits."""
+        return (self.view("draft_ids"), self.view("num_draft").to(torch.int32), self.floats,
+                self.view("seeds"), self.view("commit_len"))  # fmt: skip
 
     def load(self, tokens: list[list[int]], starts: list[int], slots_in: list[int], seeds_in: list[int],
              temperatures: list[float]) -> None:  # fmt: skip
@@ -206,34 +211,11 @@ class TargetRunner:
         logits = self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
         if not self.verify_in_graph:
             return logits, None
-        res = verify(
-            logits,
-            buf.view("draft_ids"),
-            buf.view("num_draft").to(torch.int32),
-            buf.floats,
-            buf.view("seeds"),
-            buf.view("commit_len"),
-        )
-        packed = torch.cat([res.output_tokens, res.num_accepted[:, None], res.num_emitted[:, None]], 1)
-        return logits, packed
+        return logits, _packed(verify(logits, *buf.verify_args()))
 
     def _capture(self, batch: int, width: int, ctx: int):
         buf = self._buffers(batch, width)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up outside the graph: allocator, Triton compiles
-            self._forward(buf, ctx)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        before = comm_stats()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, packed = self._forward(buf, ctx)
-        after = comm_stats()
-        per_replay = {
-            k: (c - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
-            for k, (c, b) in after.items()
-            if (c, b) != before.get(k, (0, 0))
-        }
+        graph, (logits, packed), per_replay = capture(lambda: self._forward(buf, ctx), self.device, self.pool)
         return graph, logits, packed, per_replay
 
     @torch.inference_mode()
@@ -382,18 +364,14 @@ class TargetRunner:
                     probs[i, :k, 0] = 1.0
             kwargs["draft_topk_ids"] = torch.from_numpy(ids).to(dev)
             kwargs["draft_topk_probs"] = torch.from_numpy(probs).to(dev)
-        res = self.verify_fn(
-            logits,
-            buf.view("draft_ids"),
-            buf.view("num_draft").to(torch.int32),
-            buf.floats,
-            buf.view("seeds"),
-            buf.view("commit_len"),
-            **kwargs,
-        )
-        return torch.cat(
-            [res.output_tokens.int(), res.num_accepted.int()[:, None], res.num_emitted.int()[:, None]], 1
-        )
+        return _packed(self.verify_fn(logits, *buf.verify_args(), **kwargs))
+
+
+def _packed(res) -> torch.Tensor:
+    """A VerifyResult as one int32 [B, width + 2] tensor (tokens, accepted, emitted): one read-back."""
+    return torch.cat(
+        [res.output_tokens.int(), res.num_accepted.int()[:, None], res.num_emitted.int()[:, None]], 1
+    )
 
 
 def _bucket(values: list[int], n: int) -> int:
