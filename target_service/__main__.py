@@ -6,12 +6,13 @@ import logging
 import sys
 import time
 
+from common.aio_front import AioFront
 from common.grpc_util import (
     channel_credentials,
     read_token,
 )
 from common.logs import setup_logging
-from common.service import build_front, serve_until_drained, service_metrics
+from common.service import serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
 from common.tp_executor import launch_tp
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=config.dtype,
         )
         servicer = TargetServicer(config, scheduler, metrics, tokenizer, model_info)
-        front = build_front(
+        front = AioFront(
             config,
             SERVICE_NAME,
             lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             log.warning("drain timeout: aborting %d requests", left)
         scheduler.stop()
-        front.server.stop(grace=2).wait()
+        front.stop(grace=2)
 
     serve_until_drained(drain)
     if link is not None:
