@@ -23,6 +23,7 @@ DISPATCH = {
     "serve-draft": ("draft_service.__main__", "run the draft service"),
     "serve-target": ("target_service.__main__", "run the target service"),
     "demo": ("specsplit.demo", "run both services on CPU with tiny models and stream a generation"),
+    "bench-serve": ("specsplit.bench_serve", "load-test a target: throughput, TTFT/TPOT/ITL, errors"),
 }
 
 EXIT_ERROR = 1
