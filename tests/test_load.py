@@ -23,8 +23,8 @@ from specsplit.v1 import target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.slow
 
-SOAK_SECONDS = float(os.environ.get("SPECSPLIT_SOAK_SECONDS", "45"))
-KILL_EVERY = float(os.environ.get("SPECSPLIT_DRAFT_KILL_EVERY", "15"))
+SOAK_SECONDS = float(os.environ.get("SPECSPLIT_SOAK_SECONDS", "30"))
+KILL_EVERY = float(os.environ.get("SPECSPLIT_DRAFT_KILL_EVERY", "12"))
 LENGTH = target_pb2.FINISH_REASON_LENGTH
 # The torch rejection reference: these tests load the serving loop, not the kernel (the Triton
 # interpreter is far too slow at batch 256 on CPU; tests/test_rejection_* compare the two).
@@ -122,7 +122,9 @@ def test_soak_64_streams_with_draft_restarts(demo_models, tmp_path):
                     draft.popen.kill()
                     draft.popen.wait()
                     kills += 1
-                    fresh = start_draft(demo_models.markov_draft, tmp_path, port=draft.port)
+                    logs = tmp_path / f"draft-{kills}"  # a fresh log: wait_ready looks for READY in it
+                    logs.mkdir()
+                    fresh = start_draft(demo_models.markov_draft, logs, port=draft.port)
                     draft = await asyncio.to_thread(fresh.wait_ready)
                     next_kill = time.monotonic() + KILL_EVERY
 
@@ -177,12 +179,12 @@ def test_sigterm_under_load(demo_models, tmp_path):
     ).wait_ready()
     ps = [p[:12] for p in prompts(64, seed=11)]
     try:
-        refs = asyncio.run(references(target.address, ps, 40))
+        refs = asyncio.run(references(target.address, ps, 24))
 
         async def run() -> None:
             async with grpc.aio.insecure_channel(target.address) as channel:
                 stub = target_pb2_grpc.TargetServiceStub(channel)
-                tasks = [asyncio.create_task(stream(stub, greedy_request(p, 40))) for p in ps]
+                tasks = [asyncio.create_task(stream(stub, greedy_request(p, 24))) for p in ps]
                 await asyncio.to_thread(wait_for, lambda: target.metric("specsplit_running_requests") == 32,
                                         60, "a full batch")  # fmt: skip
                 t_term = time.monotonic()
