@@ -38,7 +38,7 @@ FINISH = target_pb2.FinishReason
 
 
 def checked_proposal(
-    p: draft_pb2.Proposal | None, k: int
+    p: draft_pb2.Proposal | None, k: int, vocab_size: int
 ) -> tuple[list[int], tuple[list[int], list[float], int] | None]:
     """A proposal's first k tokens and its sparse q, or nothing when it is malformed.
 
@@ -49,11 +49,14 @@ def checked_proposal(
     if p is None or not p.token_ids or k == 0:
         return [], None
     tokens = list(p.token_ids[:k])
+    if max(tokens) >= vocab_size:  # would index past the embedding table
+        log.warning("dropping a draft proposal for request %d: token outside the vocabulary", p.request_id)
+        return [], None
     if not p.top_k:
         return tokens, None
     width = p.top_k
     ids, probs = list(p.topk_ids), list(p.topk_probs)
-    if len(ids) != len(probs) or len(ids) < len(tokens) * width:
+    if len(ids) != len(probs) or len(ids) < len(tokens) * width or max(ids) >= vocab_size:
         log.warning(
             "dropping a malformed draft proposal for request %d: top-K lists do not match", p.request_id
         )
@@ -334,8 +337,9 @@ class Scheduler:
         proposals = self._proposals(batch)
         drafts: list[list[int]] = []
         sparse: list[tuple[list[int], list[float], int] | None] = []
+        vocab = self.runner.model.config.vocab_size
         for req in batch:
-            tokens, q = checked_proposal(proposals.get(req.draft_id), req.k)
+            tokens, q = checked_proposal(proposals.get(req.draft_id), req.k, vocab)
             drafts.append(tokens)
             sparse.append(q)
         width = max(len(d) for d in drafts) + 1
