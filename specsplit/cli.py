@@ -212,7 +212,11 @@ def _error_line(error: SpecSplitError, target: str) -> str:
 
 
 def _dispatch(command: str, argv: list[str]) -> int:
-    module = importlib.import_module(DISPATCH[command][0])
+    try:
+        module = importlib.import_module(DISPATCH[command][0])
+    except ModuleNotFoundError as exc:  # a client-only install: the servers need the extra
+        sys.stderr.write(f"specsplit {command}: needs {exc.name!r}: pip install 'specsplit[serve]'\n")
+        return EXIT_ERROR
     entry: Callable[[list[str]], Any] = module.main
     return int(entry(argv) or 0)
 
