@@ -12,6 +12,7 @@ from __future__ import annotations
 import email
 import json
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -33,8 +34,15 @@ CLIENT_DEPS = {"grpcio", "protobuf", "grpcio-health-checking"}
 
 
 def _build_wheel(out: Path) -> Path:
+    # From a copy: setuptools leaves build/ and *.egg-info in the source tree.
+    src = out.parent / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src)
+    for name in ("specsplit", "common", "draft_service", "target_service"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
-    subprocess.run([*cmd, str(REPO)], check=True, timeout=300)
+    subprocess.run([*cmd, str(src)], check=True, timeout=300)
     return next(out.glob("specsplit-*.whl"))
 
 

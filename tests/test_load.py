@@ -79,6 +79,8 @@ def test_holds_256_streams_and_1000_queued(demo_models, tmp_path):
         assert target.metric("specsplit_waiting_requests") == 0
         assert target.metric("specsplit_running_requests") == 0
         assert target.metric("specsplit_request_errors_total", code="resource_exhausted") == 5
+        with pytest.raises(KeyError):  # a renamed metric fails loudly instead of reading 0
+            target.metric("specsplit_request_errors_renamed_total")
     finally:
         assert target.stop() == 0
 
