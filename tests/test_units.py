@@ -130,15 +130,15 @@ def test_draft_ahead_pauses_below_the_hit_rate_and_probes_again():
 
 def test_malformed_draft_proposals_are_dropped():
     from specsplit.v1 import draft_pb2
-    from target_service.scheduler import checked_proposal
+    from target_service.scheduler import Proposal, checked_proposal
 
     good = draft_pb2.Proposal(request_id=1, token_ids=[5, 6, 7], top_k=2, topk_ids=[5, 9, 6, 1, 7, 2],
                               topk_probs=[0.75, 0.25, 0.5, 0.5, 1.0, 0.0])  # fmt: skip
-    assert checked_proposal(good, 2, 512) == ([5, 6], ([5, 9, 6, 1], [0.75, 0.25, 0.5, 0.5], 2))
+    assert checked_proposal(good, 2, 512) == Proposal([5, 6], [5, 9, 6, 1], [0.75, 0.25, 0.5, 0.5], 2)
     greedy = draft_pb2.Proposal(token_ids=[3, 4])  # one-hot q
-    assert checked_proposal(greedy, 4, 512) == ([3, 4], None)
-    assert checked_proposal(None, 4, 512) == ([], None)
-    assert checked_proposal(good, 0, 512) == ([], None)
+    assert checked_proposal(greedy, 4, 512) == Proposal([3, 4])
+    assert checked_proposal(None, 4, 512) == Proposal([])
+    assert checked_proposal(good, 0, 512) == Proposal([])
     bad = [
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[5, 9], topk_probs=[1.0]),  # lengths differ
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[8, 9], topk_probs=[0.5, 0.5]),  # token not in q
@@ -148,7 +148,7 @@ def test_malformed_draft_proposals_are_dropped():
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[5, 600], topk_probs=[0.5, 0.5]),  # q outside it
     ]
     for p in bad:
-        assert checked_proposal(p, 4, 512) == ([], None), p
+        assert checked_proposal(p, 4, 512) == Proposal([]), p
 
 
 @pytest.mark.parametrize("byte_level", [False, True])
