@@ -107,6 +107,12 @@ def test_soak_64_streams_with_draft_restarts(demo_models, tmp_path):
     kills = 0
     try:
         refs = asyncio.run(references(target.address, ps, n_new))
+        # The service's plain decoding against an independent reference: the model run in-process.
+        from common.distributed import init_tp
+        from common.loader import load_model
+        from common.models.generate import greedy_generate
+
+        assert refs == greedy_generate(load_model(demo_models.target, init_tp(1, 0)), ps, n_new)
         # Warm-up (allocator, caches), then the baseline.
         warm = asyncio.run(closed_loop(target.address, ps, refs, 64, n_new, time.monotonic() + 8))
         assert warm.done > 0 and not warm.errors and not warm.mismatches
