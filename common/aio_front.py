@@ -83,6 +83,7 @@ class StreamOut:
         self.on_overflow = on_overflow
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.overflowed = False
+        self.request_id = ""  # the owner sets it before the request can produce output
 
     def put(self, item: Any) -> None:
         try:

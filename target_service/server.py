@@ -142,7 +142,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         Raises (code, message) as a _Rejected."""
         try:
             req = self.build_request(request)
-            req.out = out
+            req.out, out.request_id = out, req.request_id
             self.scheduler.submit(req)
         except InvalidRequest as exc:
             raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
@@ -161,11 +161,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is not ready")
         task = asyncio.current_task()
         assert task is not None
-        request_id: list[str] = []  # set once queued; read by on_overflow
 
         def on_overflow() -> None:  # on the loop: the client stopped reading
-            if request_id:
-                self.scheduler.cancel(request_id[0], "client")
+            self.scheduler.cancel(out.request_id, "client")  # set before the request was queued
             task.cancel()
 
         out = StreamOut(asyncio.get_running_loop(), self.config.max_stream_backlog, on_overflow)
@@ -176,7 +174,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 req = self._admit(request, out)
         except _Rejected as exc:
             await self._abort(context, exc.code, exc.message)
-        request_id.append(req.request_id)
         self.metrics.prompt_tokens.inc(len(req.prompt))
         done = False
         try:
