@@ -85,6 +85,7 @@ def test_holds_256_streams_and_1000_queued(demo_models, tmp_path):
         assert target.stop() == 0
 
 
+@pytest.mark.timeout(SOAK_SECONDS + 240)
 def test_soak_64_streams_with_draft_restarts(demo_models, tmp_path):
     """64 greedy streams the whole run; the draft is SIGKILLed and restarted every KILL_EVERY seconds.
     Zero client errors, output == plain for every request, fallback and reconnects counted, KV slots
