@@ -130,7 +130,7 @@ def test_draft_ahead_pauses_below_the_hit_rate_and_probes_again():
 
 def test_malformed_draft_proposals_are_dropped():
     from specsplit.v1 import draft_pb2
-    from target_service.scheduler import Proposal, checked_proposal
+    from target_service.draft_session import Proposal, checked_proposal
 
     good = draft_pb2.Proposal(request_id=1, token_ids=[5, 6, 7], top_k=2, topk_ids=[5, 9, 6, 1, 7, 2],
                               topk_probs=[0.75, 0.25, 0.5, 0.5, 1.0, 0.0])  # fmt: skip
