@@ -144,7 +144,7 @@ class GGUFCheckpoint:
             if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
                 continue
             try:  # one block of zeros tells whether the library implements this type
-                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                type_size = gguf.GGML_QUANT_SIZES[qtype][1]
                 gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
             except (NotImplementedError, KeyError) as exc:
                 raise ValueError(

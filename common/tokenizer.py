@@ -92,7 +92,9 @@ def _compile(template: str):
     def raise_exception(message: str):
         raise jinja2.TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -126,7 +128,7 @@ def _special_from_files(path: Path) -> dict[str, str | None]:
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """From a Hugging Face directory (tokenizer.json, tokenizer_config.json, chat_template.jinja) or a
     GGUF file / a directory holding one (its tokenizer.* metadata)."""
-    from common.gguf import GGUFCheckpoint, find_gguf, open_gguf
+    from common.gguf import find_gguf, open_gguf
 
     path = Path(path)
     gguf_file = find_gguf(path)
