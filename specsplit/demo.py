@@ -177,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         prompts = [[{"role": "user", "content": q}] for q in args.question or DEFAULT_QUESTIONS]
     logs = Path(tempfile.mkdtemp(prefix="specsplit-demo-"))
+    # A few KV slots of 1024 positions: the defaults (32-64 x 4096) would take GBs for SmolLM2's 30 layers.
+    limits = ["--max-batch-size", "4", "--max-context-length", "1024"]
     draft = start_service(
-        "draft_service", ["--model", str(draft_dir), "--tp-size", str(args.draft_tp_size)], logs / "draft.log"
+        "draft_service",
+        ["--model", str(draft_dir), "--tp-size", str(args.draft_tp_size), *limits],
+        logs / "draft.log",
     )
     procs = [draft]
     try:
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"127.0.0.1:{draft.port}",
                 "--num-speculative-tokens",
                 str(args.num_speculative_tokens),
+                *limits,
             ],
             logs / "target.log",
         )

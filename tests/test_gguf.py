@@ -114,9 +114,10 @@ def test_logits_match_transformers(smollm2, hf, chat_ids):
 def services(smollm2, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2")
     draft_dir = export_layers(smollm2, root / "draft", list(DEMO_DRAFT_LAYERS))
-    draft = start_draft(draft_dir, root).wait_ready()
+    limits = ["--max-batch-size", str(len(CHATS)), "--max-context-length", "256"]  # KV: MBs, not GBs
+    draft = start_draft(draft_dir, root, *limits).wait_ready()
     with running(draft):
-        target = start_target(smollm2, root, draft, "--num-speculative-tokens", "3")
+        target = start_target(smollm2, root, draft, "--num-speculative-tokens", "3", *limits)
         with running(target):
             target.wait_ready()
             yield target
