@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.distributed import init_tp
+from common.distributed import Comm, init_tp
 from common.gguf import export_layers, permute_rows, unpermute_rows
 from common.kv_cache import KVCache
 from common.loader import load_model
@@ -66,8 +66,14 @@ def chat_ids(smollm2, hf) -> list[list[int]]:
     """Our chat-template prompts; the same ids as transformers' apply_chat_template (asserted)."""
     ours = load_tokenizer(smollm2)
     ids = [ours.apply_chat_template(c) for c in CHATS]
-    want = [list(hf[1].apply_chat_template(c, add_generation_prompt=True, tokenize=True)) for c in CHATS]
-    want = [w["input_ids"] if isinstance(w, dict) or hasattr(w, "keys") else w for w in want]
+    want = [
+        list(
+            hf[1].apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        )
+        for c in CHATS
+    ]
     assert ids == want
     return ids
 
@@ -274,6 +280,12 @@ def test_tiny_llama_gguf_round_trip_equals_safetensors(tmp_path):
     assert ours.config.tie_word_embeddings == cfg.tie_word_embeddings
     for (name, a), (_, b) in zip(ref.state_dict().items(), ours.state_dict().items()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    for rank in range(2):  # each TP rank's slices: the same as from safetensors (no collective runs here)
+        a_sd = load_model(src, Comm(rank, 2)).state_dict()
+        b_sd = load_model(path, Comm(rank, 2)).state_dict()
+        assert list(a_sd) == list(b_sd)
+        for name in a_sd:
+            torch.testing.assert_close(b_sd[name], a_sd[name], rtol=0, atol=0, msg=f"rank {rank}: {name}")
     w_ = torch.randn(6 * 4, 5)
     assert torch.equal(unpermute_rows(permute_rows(w_, 6), 6), w_)
     assert not torch.equal(permute_rows(w_, 6), w_)
