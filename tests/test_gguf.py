@@ -28,6 +28,9 @@ from specsplit.demo import DEMO_DRAFT_LAYERS, smollm2_gguf
 from specsplit.v1 import sampling_pb2, target_pb2
 from tests.service_util import generate_many, running, start_draft, start_target
 
+# Loads a 135M model three times (ours, transformers', the service's): minutes on a loaded 2-core box.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
