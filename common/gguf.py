@@ -121,8 +121,11 @@ class GGUFCheckpoint:
         heads = int(need("attention.head_count"))
         hidden = int(need("embedding_length"))
         vocab = opt("vocab_size")
-        if vocab is None:
-            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        if vocab is None:  # older files: the vocab size is the token list's length
+            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise ValueError(f"{self.path}: neither {a}.vocab_size nor tokenizer.ggml.tokens is set")
+            vocab = len(tokens.data)
         scaling = opt("rope.scaling.type")
         raw = {
             "architectures": [GGUF_ARCHITECTURES[a]],
