@@ -17,6 +17,7 @@ from torch import nn
 from common.config import ModelConfig
 from common.distributed import Comm
 from common.gguf import GGUFCheckpoint, find_gguf, open_gguf
+from common.layers.shard import checkpoint_parts
 from common.models.transformer import Transformer
 from common.tokenizer import Tokenizer, load_tokenizer
 
@@ -133,7 +134,8 @@ def load_model(
     model = Transformer(config, comm, markov_head_mode, replicate_lm_head, dtype, device)
     params = list(model.named_parameters())
     for i, (name, param) in enumerate(params):
-        load_param(files, name, param)
+        for part_name, part in checkpoint_parts(name, param):  # merged qkv / gate_up: one per part
+            load_param(files, part_name, part)
         if progress:
             print(f"\rloading {path.name}: {i + 1}/{len(params)} tensors", end="", file=sys.stderr)
     if progress:
