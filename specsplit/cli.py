@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         "-m", "--message", action="append", default=[], help="user message (repeatable: one turn each)"
     )
     _add_generate_flags(chat, prompt_flags=False)
+    _add_json_flag(chat)
     info = sub.add_parser("info", help="print the served models and limits")
     _add_connection_flags(info)
     health = sub.add_parser("health", help="grpc.health.v1 status; exit 0 only when SERVING")
