@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from common.config import ModelConfig
+from common.draft_checkpoint import with_shared_weights
 from common.distributed import Comm
 from common.models.transformer import Transformer
 from common.tokenizer import Tokenizer, load_tokenizer
@@ -120,7 +121,8 @@ def load_model(
         )  # fail before reading weights
     config = ModelConfig.from_pretrained(path)
     model = Transformer(config, comm, markov_head_mode, replicate_lm_head, dtype, device)
-    files = CheckpointFiles(path)
+    # A trained draft stores only its own tensors and reads the shared ones from its target.
+    files = with_shared_weights(path, CheckpointFiles(path))
     params = list(model.named_parameters())
     for i, (name, param) in enumerate(params):
         load_param(files, name, param)
