@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import grpc
 
 from common.metrics import ServiceMetrics
+from common.tokenizer import ChatTemplateError
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.detok import StreamDetokenizer
@@ -43,11 +44,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _prompt(self, request: target_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
         if which is None:
-            raise InvalidRequest("prompt: give text or token_ids")
+            raise InvalidRequest("prompt: give text, token_ids or messages")
         if which == "text":
             if not request.text:
                 raise InvalidRequest("text: empty prompt")
             ids = list(self.tokenizer.encode(request.text))
+        elif which == "messages":
+            ids = self._chat_prompt(request.messages.messages)
         else:
             ids = list(request.token_ids.ids)
             bad = [t for t in ids if t >= self.vocab_size]
@@ -58,6 +61,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not ids:
             raise InvalidRequest(f"{which}: empty prompt")
         return ids
+
+    def _chat_prompt(self, messages) -> list[int]:
+        """The model's chat template over `messages`, with the assistant-turn opener."""
+        if not messages:
+            raise InvalidRequest("messages: empty conversation")
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise InvalidRequest(f"messages[{i}].role: required")
+        try:
+            return list(
+                self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+            )
+        except ChatTemplateError as exc:
+            raise InvalidRequest(str(exc)) from exc
 
     def build_request(self, request: target_pb2.GenerateRequest) -> Request:
         cfg = self.config

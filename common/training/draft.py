@@ -54,7 +54,9 @@ def build_draft(
     """A float32 draft: draft layer i starts as target layer layer_map[i]; trainable parameters marked."""
     for i in layer_map:
         if not 0 <= i < target.config.num_hidden_layers:
-            raise ValueError(f"--init-layers: {i} is not a layer of the target (0..{target.config.num_hidden_layers - 1})")
+            raise ValueError(
+                f"--init-layers: {i} is not a layer of the target (0..{target.config.num_hidden_layers - 1})"
+            )
     cfg = draft_config(target.config, len(layer_map), markov_rank)
     draft = Transformer(cfg, Comm(), dtype=torch.float32, device=device)
     src = {n: p for n, p in target.named_parameters()}
