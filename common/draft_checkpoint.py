@@ -24,8 +24,8 @@ PACKAGE_PREFIX = "python-package:"
 
 def shared_weights_spec(path: Path) -> dict[str, Any] | None:
     """The draft's `shared_weights` entry (validated), or None for a self-contained checkpoint."""
-    config_file = path / "config.json" if path.is_dir() else path
-    if not config_file.is_file():
+    config_file = path / "config.json"
+    if not config_file.is_file():  # a GGUF file, or a directory holding one, is always self-contained
         return None
     spec = json.loads(config_file.read_text()).get(SHARED_WEIGHTS_KEY)
     if spec is None:
