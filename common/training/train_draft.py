@@ -178,8 +178,9 @@ def make_optimizer(draft: Transformer, args) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, weight_decay=args.weight_decay, betas=(0.9, 0.98))
 
 
-def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline) -> bool:
-    """Trains up to args.steps, saving state every --save-every steps; False when the deadline came first."""
+def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline) -> int:
+    """Trains up to args.steps, saving state every --save-every steps; returns the step reached (less than
+    args.steps when the deadline or --chunk-steps stopped it)."""
     opt = make_optimizer(draft, args)
     peak = [g["lr"] for g in opt.param_groups]
     state_file = args.out / STATE_FILE
@@ -208,7 +209,7 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline) -> b
         if time.monotonic() > deadline or step >= stop_at:
             save()
             log("time_limit", stage="train", step=step)
-            return False
+            return step
         batch = [t.to(device) for t in get_batch(data, step, args.batch_size, args.seed, args.max_len)]
         scale = lr_at(step, args)
         for g, lr in zip(opt.param_groups, peak):
@@ -244,7 +245,7 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline) -> b
     if bar is not None:
         bar.close()
     save()
-    return True
+    return step
 
 
 # ------------------------------------------------------------------------------------------------ stage 3
@@ -312,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--chunk-steps", type=int, default=None, help="stop (resumable) after this many steps")
+    ap.add_argument(
+        "--export-partial",
+        action="store_true",
+        help="when the time limit stops training, still export and evaluate the draft so far",
+    )
     ap.add_argument("--data-only", action="store_true", help="stop after generating the data")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (resumable) after this long")
     # export and evaluation
@@ -347,19 +353,20 @@ def main(argv: list[str] | None = None) -> int:
     if len(layer_map) != args.layers:
         raise SystemExit(f"--init-layers: {len(layer_map)} layers given, --layers is {args.layers}")
     draft = build_draft(target, layer_map, args.markov_rank, args.seed, args.train_shared, args.device)
-    if not train(args, draft, data, log, deadline):
+    steps_done = train(args, draft, data, log, deadline)
+    if steps_done < args.steps and not (args.export_partial and steps_done > 0):
         return 0
     draft.eval()
     target_ref = target_reference(args.target, args.out / "draft", args.target_ref)
     extra = {
         "seed": args.seed,
         "init_layers": layer_map,
-        "steps": args.steps,
+        "steps": steps_done,
         "command": "specsplit train-draft " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     size = save_draft(draft, args.out / "draft", target_ref, args.save_dtype, args.include_shared, extra)
     truncated = build_draft(target, layer_map, 0, args.seed, device=args.device)
-    drafts = {"truncated_target": (truncated, False), "trained_no_markov": (draft, False)}
+    drafts = {"truncated_target": (truncated, False), "trained_head_off": (draft, False)}
     if args.markov_rank:
         drafts["trained_markov"] = (draft, True)
     result = evaluate(args, target, drafts, tokenizer, chat, eos)
