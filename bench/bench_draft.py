@@ -36,8 +36,9 @@ from common.training.train_draft import eos_ids, parse_ints, prompt_ids
 def named_drafts(args, target: Transformer | None) -> dict[str, tuple[Transformer, bool]]:
     drafts: dict[str, tuple[Transformer, bool]] = {}
     if args.truncated and target is not None:
-        truncated = build_draft(target, list(range(args.truncated)), 0, 0, device=args.device)
-        drafts["truncated_target"] = (truncated.to(DTYPES[args.dtype]), False)
+        layers = list(range(args.truncated))
+        truncated = build_draft(target, layers, 0, 0, device=args.device, dtype=DTYPES[args.dtype])
+        drafts["truncated_target"] = (truncated, False)
     for spec in args.draft:
         name, _, path = spec.partition("=")
         model = load_model(path, Comm(), device=args.device, dtype=DTYPES[args.dtype])

@@ -50,15 +50,17 @@ def build_draft(
     seed: int,
     train_shared: bool = False,
     device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> Transformer:
-    """A float32 draft: draft layer i starts as target layer layer_map[i]; trainable parameters marked."""
+    """A draft (float32 to train): draft layer i starts as target layer layer_map[i]; trainable parameters
+    marked."""
     for i in layer_map:
         if not 0 <= i < target.config.num_hidden_layers:
             raise ValueError(
                 f"--init-layers: {i} is not a layer of the target (0..{target.config.num_hidden_layers - 1})"
             )
     cfg = draft_config(target.config, len(layer_map), markov_rank)
-    draft = Transformer(cfg, Comm(), dtype=torch.float32, device=device)
+    draft = Transformer(cfg, Comm(), dtype=dtype, device=device)
     src = {n: p for n, p in target.named_parameters()}
     with torch.no_grad():
         for name, param in draft.named_parameters():
