@@ -95,7 +95,7 @@ def make_data(args, target: Transformer, prompts: list[list[int]], eos: set[int]
     device = target.model.embed_tokens.weight.device
     for i, batch in enumerate(batches):
         part = data_dir / f"part-{i:05d}.safetensors"
-        if part.exists():
+        if part.exists() or args.existing_data_only:
             continue
         if time.monotonic() > deadline:
             log("time_limit", stage="data", parts_done=i)
@@ -110,9 +110,8 @@ def make_data(args, target: Transformer, prompts: list[list[int]], eos: set[int]
             bar.update(1)
     if bar is not None:
         bar.close()
-    data = Sequences.concat(
-        [Sequences.load(data_dir / f"part-{i:05d}.safetensors") for i in range(len(batches))]
-    )
+    parts = [data_dir / f"part-{i:05d}.safetensors" for i in range(len(batches))]
+    data = Sequences.concat([Sequences.load(p) for p in parts if p.exists()])
     log("data", sequences=data.num_seqs, tokens=len(data.tokens), trained_tokens=int(data.trained.sum()))
     return data
 
@@ -248,9 +247,13 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline) -> i
 # ------------------------------------------------------------------------------------------------ stage 3
 def evaluate(args, target, drafts: dict[str, tuple[Transformer, bool]], tokenizer, chat, eos) -> dict:
     """Held-out acceptance at each k for each named (draft, use_markov)."""
-    texts = builtin_prompts.held_out_prompts()[: args.eval_prompts]
-    prompts = prompt_ids(tokenizer, texts, chat)
-    answers = target_texts(target, prompts, args.eval_max_new_tokens, eos)
+    if args.eval_answers:  # precomputed where the whole target could not go (see --existing-data-only)
+        given = json.loads(args.eval_answers.read_text())
+        prompts, answers = given["prompts"], given["answers"]
+    else:
+        texts = builtin_prompts.held_out_prompts()[: args.eval_prompts]
+        prompts = prompt_ids(tokenizer, texts, chat)
+        answers = target_texts(target, prompts, args.eval_max_new_tokens, eos)
     result = {"prompts": len(prompts), "answer_tokens": sum(map(len, answers)), "drafts": {}}
     for name, (model, use_markov) in drafts.items():
         matches = match_flags(model, prompts, answers, use_markov)
@@ -314,6 +317,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--export-partial",
         action="store_true",
         help="when the time limit stops training, still export and evaluate the draft so far",
+    )
+    ap.add_argument(
+        "--existing-data-only",
+        action="store_true",
+        help="train on the data parts already in --data-dir, generate none (then --target may "
+        "be a checkpoint holding only the tensors the draft starts from)",
+    )
+    ap.add_argument(
+        "--eval-answers",
+        type=Path,
+        default=None,
+        help='JSON {"prompts": [[ids]], "answers": [[ids]]}: the target\'s greedy held-out answers',
     )
     ap.add_argument("--data-only", action="store_true", help="stop after generating the data")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop (resumable) after this long")
