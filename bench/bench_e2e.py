@@ -1,16 +1,23 @@
-"""End-to-end: the two services on one machine, speculation on vs off.
+"""End-to-end throughput: plain target vs speculative decoding, measured honestly.
 
-    python bench/bench_e2e.py --preset qwen1.5b --device cuda --out e2e.json     # the H200 run
-    python bench/bench_e2e.py --preset tiny --device cpu                          # a smoke run
+    python bench/bench_e2e.py --preset qwen1.5b --device cuda --dtypes bfloat16 --out e2e.json
+    python bench/bench_e2e.py --preset tiny --device cpu --batches 1 4 --repeats 1   # a smoke run
 
 Writes a random-weight target (Qwen2.5-1.5B shapes for `qwen1.5b`) and a draft that shares its
 embeddings, head and first layers (the target's later layers are damped so the draft agrees often:
-random weights have no language to agree on otherwise). Starts a draft and a target service (TP=1 each,
-separate processes, gRPC over loopback) per dtype and reports, at batch 1 and 16:
-  - greedy spec-on vs spec-off: identical sequences (fp32) / token match rate (bf16),
-  - TPOT (decode time / (tokens - 1), median over requests) and output tokens/s, spec on and off,
-  - acceptance rate, mean accepted length, and the ideal speedup (DESIGN.md section 2) beside the
-    measured one.
+random weights have no language to agree on otherwise). Starts one draft and three targets per dtype:
+  - `plain`: a target with no draft attached (the baseline),
+  - `fixed`: draft attached, --speculation-policy fixed (every step asks k),
+  - `adaptive`: draft attached, --speculation-policy adaptive (k per step from measured costs),
+and, for every batch size, runs `--repeats` interleaved rounds (plain, k=0 through the `fixed` target,
+fixed, adaptive, then again) of B concurrent greedy requests. Reported per mode: wall-clock output
+tokens/s (the primary figure: total output tokens / wall time of the batch), TPOT (median over requests
+of decode time / (tokens - 1)), both as median and spread (min-max) over the repeats; acceptance as
+accepted/drafted and as per-token alpha solved from the mean accepted length per speculative step
+(E[a] = sum_{i=1..k} alpha^i); c = one draft position / one plain step (draft round time / k over the
+plain run's step time, both timed); the ideal speedup (1 + E[a]) / (k c + 1); the target's step GPU time
+and host time (wall minus GPU) from its metrics; and the k the adaptive policy chose. With two or more
+GPUs the draft runs on GPU 0 and the targets on GPU 1 (one GPU: all share it).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -29,7 +37,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.tiny import make_model_pair
-from specsplit.launch import start_service
+from specsplit.launch import metric_sum, start_service
 from specsplit.v1 import sampling_pb2, target_pb2, target_pb2_grpc
 
 PRESETS = {
@@ -88,50 +96,86 @@ def one(stub, ids: list[int], n: int, k: int) -> dict:
     return {"ids": out, "tpot": (last - first) / max(1, len(out) - 1), "usage": usage}
 
 
-def run_batch(address: str, prompts: list[list[int]], n: int, k: int) -> dict:
-    with grpc.insecure_channel(address) as ch:
+# Target metrics read before and after each run (sums and counts of histograms, counters).
+SERIES = {
+    "verify_sum": "specsplit_verify_step_seconds_sum",
+    "verify_n": "specsplit_verify_step_seconds_count",
+    "gpu_sum": "specsplit_step_gpu_seconds_sum",
+    "gpu_n": "specsplit_step_gpu_seconds_count",
+    "host_sum": "specsplit_step_host_seconds_sum",
+    "host_n": "specsplit_step_host_seconds_count",
+    "k_sum": "specsplit_spec_step_tokens_sum",
+    "k_n": "specsplit_spec_step_tokens_count",
+    "fallbacks": "specsplit_spec_fallback_steps_total",
+    "captures": "specsplit_serving_captures_total",
+    "rt_sum": "specsplit_draft_round_trip_seconds_sum",
+    "rt_n": "specsplit_draft_round_trip_seconds_count",
+}
+
+
+def snapshot(target, draft) -> dict[str, float]:
+    samples = target.scrape()
+    snap = {key: metric_sum(samples, name) for key, name in SERIES.items()}
+    if draft is not None:
+        d = draft.scrape()
+        snap["draft_sum"] = metric_sum(d, "specsplit_draft_step_seconds_sum")
+        snap["draft_n"] = metric_sum(d, "specsplit_draft_step_seconds_count")
+    return snap
+
+
+def ratio(delta: dict, a: str, b: str) -> float:
+    return delta.get(a, 0.0) / delta[b] if delta.get(b) else 0.0
+
+
+def run_batch(service, draft, prompts: list[list[int]], n: int, k: int) -> dict:
+    before = snapshot(service, draft)
+    with grpc.insecure_channel(service.address) as ch:
         stub = target_pb2_grpc.TargetServiceStub(ch)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: one(stub, p, n, k), prompts))
         wall = time.perf_counter() - t0
+    after = snapshot(service, draft)
+    delta = {key: after[key] - before.get(key, 0.0) for key in after}
     drafted = sum(r["usage"].drafted_tokens for r in results)
     accepted = sum(r["usage"].accepted_tokens for r in results)
-    steps = sum(r["usage"].steps for r in results)
     return {
         "ids": [r["ids"] for r in results],
-        "tpot_ms": 1e3 * statistics.median(r["tpot"] for r in results),
         "tokens_per_s": sum(len(r["ids"]) for r in results) / wall,
-        "acceptance": accepted / drafted if drafted else 0.0,
-        "mean_accepted": accepted / steps if steps else 0.0,
+        "tpot_ms": 1e3 * statistics.median(r["tpot"] for r in results),
+        "drafted": drafted,
+        "accepted": accepted,
+        "verify_step_ms": 1e3 * ratio(delta, "verify_sum", "verify_n"),
+        "step_gpu_ms": 1e3 * ratio(delta, "gpu_sum", "gpu_n"),
+        "step_host_ms": 1e3 * ratio(delta, "host_sum", "host_n"),
+        "mean_k": ratio(delta, "k_sum", "k_n"),
+        "draft_round_ms": 1e3 * ratio(delta, "draft_sum", "draft_n"),
+        "round_trip_ms": 1e3 * ratio(delta, "rt_sum", "rt_n"),
+        "fallback_steps": delta.get("fallbacks", 0.0),
+        "serving_captures": delta.get("captures", 0.0),
     }
 
 
-def gpu_split(device: str, draft_tp: int, target_tp: int) -> tuple[dict[str, str], dict[str, str]]:
-    """Separate GPUs for the two services when the machine has enough (each TP group from its device 0)."""
+def gpu_split(
+    device: str, draft_tp: int, target_tp: int, placement: str = "auto"
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Separate GPUs for the two services when the machine has enough and placement allows (each TP
+    group from its device 0); `colocated` puts both groups on the first GPUs."""
     if device != "cuda":
         return {}, {}
     import torch
 
+    if placement == "colocated":
+        shared = ",".join(str(i) for i in range(max(draft_tp, target_tp)))
+        return {"CUDA_VISIBLE_DEVICES": shared}, {"CUDA_VISIBLE_DEVICES": shared}
     if torch.cuda.device_count() < draft_tp + target_tp:
+        if placement == "split":
+            raise SystemExit(f"--placement split needs {draft_tp + target_tp} GPUs")
         return {}, {}  # both share the visible GPUs (one H200: both on it)
     ids = [str(i) for i in range(draft_tp + target_tp)]
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids[:draft_tp])}, {
         "CUDA_VISIBLE_DEVICES": ",".join(ids[draft_tp:])
     }
-
-
-def step_times(draft, target) -> list[float]:
-    """[draft round s, rounds, verify s, verify steps, round trip s, round trips, fallback steps] so far."""
-    return [
-        draft.metric("specsplit_draft_step_seconds_sum"),
-        draft.metric("specsplit_draft_step_seconds_count"),
-        target.metric("specsplit_verify_step_seconds_sum"),
-        target.metric("specsplit_verify_step_seconds_count"),
-        target.metric("specsplit_draft_round_trip_seconds_sum"),
-        target.metric("specsplit_draft_round_trip_seconds_count"),
-        target.metric("specsplit_spec_fallback_steps_total"),
-    ]
 
 
 def divergence_margins(target_dir: Path, device: str, mismatches) -> list[dict]:
@@ -163,17 +207,144 @@ def divergence_margins(target_dir: Path, device: str, mismatches) -> list[dict]:
     return out
 
 
-def ideal_speedup(alpha: float, k: int, c: float) -> float:
-    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)) if alpha < 1 else (k + 1) / (k * c + 1)
+def alpha_from_mean_accepted(mean_accepted: float, k: int) -> float:
+    """Per-token acceptance alpha with sum_{i=1..k} alpha^i = mean accepted length (bisection)."""
+    if mean_accepted <= 0:
+        return 0.0
+    if mean_accepted >= k:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(1, k + 1)) < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def ideal_speedup(mean_accepted: float, k: int, c: float) -> float:
+    return (1 + mean_accepted) / (k * c + 1)
+
+
+def median_spread(values: list[float]) -> dict:
+    med = statistics.median(values)
+    spread = 100 * max(abs(v - med) for v in values) / med if med else 0.0
+    return {"median": med, "min": min(values), "max": max(values), "spread_pct": spread, "runs": values}
+
+
+@dataclass
+class Stack:
+    draft: object
+    targets: dict  # mode -> ServiceProcess
+
+
+def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path) -> Stack:
+    draft_env, target_env = gpu_split(args.device, args.draft_tp_size, args.target_tp_size, args.placement)
+    common = ["--device", args.device, "--dtype", dtype]
+    max_batch = str(max(args.batches))
+    draft = start_service(
+        "draft_service",
+        ["--model", str(draft_dir), *common, "--tp-size", str(args.draft_tp_size),
+         "--max-batch-size", str(2 * max(args.batches)), "--num-speculative-tokens", str(args.k),
+         *args.draft_args.split()],
+        logs / f"draft-{dtype}.log",
+        env=draft_env,
+    )  # fmt: skip
+    draft.wait_ready(900)
+    targets = {}
+    for mode in args.modes:
+        extra = [] if mode == "plain" else ["--draft-address", draft.address, "--speculation-policy", mode]
+        targets[mode] = start_service(
+            "target_service",
+            ["--model", str(target_dir), *common, "--tp-size", str(args.target_tp_size),
+             "--num-speculative-tokens", str(args.k), "--max-batch-size", max_batch, *extra],
+            logs / f"target-{mode}-{dtype}.log",
+            env=target_env,
+        )  # fmt: skip
+    for t in targets.values():
+        t.wait_ready(900)
+    return Stack(draft, targets)
+
+
+def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> dict:
+    row: dict = {"dtype": dtype, "batch": batch, "k": k}
+    for mode, rs in runs.items():
+        row[mode] = {
+            "tokens_per_s": median_spread([r["tokens_per_s"] for r in rs]),
+            "tpot_ms": median_spread([r["tpot_ms"] for r in rs]),
+            "step_gpu_ms": statistics.median(r["step_gpu_ms"] for r in rs),
+            "step_host_ms": statistics.median(r["step_host_ms"] for r in rs),
+            "verify_step_ms": statistics.median(r["verify_step_ms"] for r in rs),
+            "serving_captures": sum(r["serving_captures"] for r in rs),
+            "fallback_steps": sum(r["fallback_steps"] for r in rs),
+        }
+        if mode in ("fixed", "adaptive"):
+            drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
+            mean_acc = accepted / (drafted / k) if drafted else 0.0  # per speculative step of k drafts
+            row[mode].update(
+                accepted_over_drafted=accepted / drafted if drafted else 0.0,
+                mean_accepted=mean_acc,
+                alpha=alpha_from_mean_accepted(mean_acc, k),
+                mean_k=statistics.median(r["mean_k"] for r in rs),
+                draft_round_ms=statistics.median(r["draft_round_ms"] for r in rs),
+                round_trip_ms=statistics.median(r["round_trip_ms"] for r in rs),
+                speedup_vs_plain=row[mode]["tokens_per_s"]["median"] / row["plain"]["tokens_per_s"]["median"]
+                if "plain" in row else 0.0,
+                speedup_each_repeat=[a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rs, runs["plain"])]
+                if "plain" in runs else [],
+            )  # fmt: skip
+    if "fixed" in row and "plain" in row:
+        f = row["fixed"]
+        # c: one draft position (a round of k, measured on the draft) over one plain step (measured TPOT
+        # of the plain target at this batch: one token per request per step).
+        c = (f["draft_round_ms"] / k) / row["plain"]["tpot_ms"]["median"] if f["draft_round_ms"] else 0.0
+        row["cost_ratio_c"] = c
+        row["ideal_speedup"] = ideal_speedup(f["mean_accepted"], k, c)
+        row["efficiency"] = f["speedup_vs_plain"] / row["ideal_speedup"] if row["ideal_speedup"] else 0.0
+    return row
+
+
+def markdown_table(rows: list[dict]) -> str:
+    head = ["dtype", "B", "plain tok/s", "k=0 + draft tok/s", "fixed tok/s", "adaptive tok/s", "fixed x",
+            "adaptive x", "TPOT plain / fixed / adaptive ms", "alpha", "E[a]", "c", "ideal",
+            "host ms/step plain, fixed", "adaptive mean k"]  # fmt: skip
+
+    def tps(row: dict, mode: str) -> str:
+        if mode not in row:
+            return "-"
+        t = row[mode]["tokens_per_s"]
+        return f"{t['median']:.0f} [{t['min']:.0f}-{t['max']:.0f}]"
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        f, a, p = r.get("fixed", {}), r.get("adaptive", {}), r.get("plain", {})
+        modes = [m for m in ("plain", "fixed", "adaptive") if m in r]
+        cells = [
+            r["dtype"], str(r["batch"]), tps(r, "plain"), tps(r, "k0_with_draft"), tps(r, "fixed"),
+            tps(r, "adaptive"), f"{f.get('speedup_vs_plain', 0):.2f}", f"{a.get('speedup_vs_plain', 0):.2f}",
+            " / ".join(f"{r[m]['tpot_ms']['median']:.2f}" for m in modes), f"{f.get('alpha', 0):.2f}",
+            f"{f.get('mean_accepted', 0):.2f}", f"{r.get('cost_ratio_c', 0):.3f}",
+            f"{r.get('ideal_speedup', 0):.2f}",
+            f"{p.get('step_host_ms', 0):.2f}, {f.get('step_host_ms', 0):.2f}",
+            f"{a.get('mean_k', 0):.2f}",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny", choices=list(PRESETS))
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", nargs="+", default=["plain", "fixed", "adaptive"],
+                    choices=["plain", "fixed", "adaptive"])  # fmt: skip
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--placement", default="auto", choices=["auto", "colocated", "split"],
+                    help="split: each service on its own GPUs; auto: split if enough")  # fmt: skip
     ap.add_argument("--draft-tp-size", type=int, default=1)
     ap.add_argument("--target-tp-size", type=int, default=1)
     ap.add_argument(
@@ -182,6 +353,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--models", type=Path, default=None)
+    ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -194,115 +366,56 @@ def main() -> int:
 
     rng = random.Random(0)
     prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(max(args.batches))]
-    logs = Path(tempfile.mkdtemp(prefix="specsplit-bench-"))
+    logs = args.logs or Path(tempfile.mkdtemp(prefix="specsplit-bench-"))
+    logs.mkdir(parents=True, exist_ok=True)
     rows = []
     mismatches: list[tuple[str, list[int], list[int], list[int]]] = []
-    draft_env, target_env = gpu_split(args.device, args.draft_tp_size, args.target_tp_size)
     for dtype in args.dtypes:
-        common = ["--device", args.device, "--dtype", dtype]
-        draft = start_service(
-            "draft_service",
-            [
-                "--model",
-                str(draft_dir),
-                *common,
-                "--tp-size",
-                str(args.draft_tp_size),
-                *args.draft_args.split(),
-            ],
-            logs / f"draft-{dtype}.log",
-            env=draft_env,
-        )
-        draft.wait_ready(600)
-        target = start_service(
-            "target_service",
-            [
-                "--model",
-                str(target_dir),
-                *common,
-                "--tp-size",
-                str(args.target_tp_size),
-                "--draft-address",
-                draft.address,
-                "--num-speculative-tokens",
-                str(args.k),
-                "--max-batch-size",
-                str(max(args.batches)),
-                "--log-level",
-                "DEBUG",  # per-phase step times every 256 steps
-            ],
-            logs / f"target-{dtype}.log",
-            env=target_env,
-        )
+        t0 = time.perf_counter()
+        stack = start_stack(args, dtype, target_dir, draft_dir, logs)
+        print(f"services ready in {time.perf_counter() - t0:.0f}s", flush=True)
         try:
-            target.wait_ready(600)
-            for batch in args.batches:  # warm-up: allocator, kernels, any graph not captured at start
-                run_batch(target.address, prompts[:batch], 8, args.k)
-                run_batch(target.address, prompts[:batch], 8, 0)
+            for batch in args.batches:  # warm-up: allocator, connections (graphs are captured at start)
+                for mode, t in stack.targets.items():
+                    run_batch(t, stack.draft, prompts[:batch], 8, 0 if mode == "plain" else args.k)
             for batch in args.batches:
-                plain = run_batch(target.address, prompts[:batch], args.new_tokens, 0)
-                before = step_times(draft, target)
-                spec = run_batch(target.address, prompts[:batch], args.new_tokens, args.k)
-                after = step_times(draft, target)
-                d_sum, d_n, v_sum, v_n, rt_sum, rt_n, fallbacks = (a - b for a, b in zip(after, before))
-                # c: one draft position vs one verify step (draft rounds include draft-ahead work).
-                c = (d_sum / d_n / args.k) / (v_sum / v_n) if d_n and v_n else 0.0
-                same_seq = sum(a == b for a, b in zip(spec["ids"], plain["ids"]))
-                tok_total = sum(len(a) for a in plain["ids"])
-                tok_same = sum(x == y for a, b in zip(spec["ids"], plain["ids"]) for x, y in zip(a, b))
-                row = {
-                    "dtype": dtype,
-                    "batch": batch,
-                    "k": args.k,
-                    "identical_sequences": f"{same_seq}/{batch}",
-                    "token_match_rate": tok_same / tok_total,
-                    "tpot_ms_plain": plain["tpot_ms"],
-                    "tpot_ms_spec": spec["tpot_ms"],
-                    "tokens_per_s_plain": plain["tokens_per_s"],
-                    "tokens_per_s_spec": spec["tokens_per_s"],
-                    "speedup": plain["tpot_ms"] / spec["tpot_ms"],
-                    "acceptance": spec["acceptance"],
-                    "mean_accepted": spec["mean_accepted"],
-                    "cost_ratio_c": c,
-                    "ideal_speedup": ideal_speedup(spec["acceptance"], args.k, c),
-                    "draft_round_ms": 1e3 * d_sum / d_n if d_n else 0.0,
-                    "verify_step_ms": 1e3 * v_sum / v_n if v_n else 0.0,
-                    "round_trip_ms": 1e3 * rt_sum / rt_n if rt_n else 0.0,
-                    "fallback_steps": fallbacks,
-                }
+                runs: dict[str, list[dict]] = {m: [] for m in [*stack.targets, "k0_with_draft"]}
+                if "fixed" not in stack.targets:
+                    runs.pop("k0_with_draft")
+                for _ in range(args.repeats):  # interleaved: plain, k=0 with draft, fixed, adaptive, ...
+                    for mode, t in stack.targets.items():
+                        k = 0 if mode == "plain" else args.k
+                        runs[mode].append(run_batch(t, stack.draft, prompts[:batch], args.new_tokens, k))
+                        if mode == "fixed":
+                            runs["k0_with_draft"].append(
+                                run_batch(t, stack.draft, prompts[:batch], args.new_tokens, 0)
+                            )
+                row = summarise(dtype, batch, args.k, runs)
+                reference = runs["plain"][0]["ids"] if "plain" in runs else None
+                if reference is not None:
+                    for mode, rs in runs.items():
+                        for r in rs:
+                            same = sum(a == b for a, b in zip(r["ids"], reference))
+                            row[mode].setdefault("identical_sequences", []).append(f"{same}/{batch}")
+                            mismatches += [(dtype, prompts[i], a, b) for i, (a, b) in
+                                           enumerate(zip(r["ids"], reference)) if a != b]  # fmt: skip
                 rows.append(row)
-                mismatches += [
-                    (dtype, prompts[i], a, b)
-                    for i, (a, b) in enumerate(zip(spec["ids"], plain["ids"]))
-                    if a != b
-                ]
                 print(json.dumps(row), flush=True)
         finally:
-            target.stop()
-            draft.stop()
-    print(
-        f"\n{args.preset}, device {args.device}, k={args.k}, {args.new_tokens} new tokens, "
-        f"prompt {args.prompt_len}"
-    )
-    print(
-        "| dtype | B | identical (greedy) | token match | TPOT off | TPOT on | tok/s off | tok/s on "
-        "| speedup | acceptance | mean accepted | c | ideal |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(
-            f"| {r['dtype']} | {r['batch']} | {r['identical_sequences']} | {r['token_match_rate']:.3f} "
-            f"| {r['tpot_ms_plain']:.2f} ms | {r['tpot_ms_spec']:.2f} ms | {r['tokens_per_s_plain']:.0f} "
-            f"| {r['tokens_per_s_spec']:.0f} | {r['speedup']:.2f}x | {r['acceptance']:.2f} "
-            f"| {r['mean_accepted']:.2f} | {r['cost_ratio_c']:.2f} | {r['ideal_speedup']:.2f}x |"
-        )
-    margins = divergence_margins(target_dir, args.device, mismatches) if mismatches else []
+            for t in stack.targets.values():
+                t.stop()
+            stack.draft.stop()
+    print(f"\n{args.preset}, device {args.device}, k={args.k}, {args.new_tokens} new tokens, "
+          f"prompt {args.prompt_len}, {args.repeats} interleaved repeats (median [min-max])")  # fmt: skip
+    print(markdown_table(rows))
+    margins = divergence_margins(target_dir, args.device, mismatches[:8]) if mismatches else []
     for m in margins:
         print(f"divergence ({m['dtype']}) at token {m['position']}: spec {m['spec_token']} vs plain "
               f"{m['plain_token']}; target alone: top-2 {m['top2_ids']}, gap {m['top2_gap']:.4g} at logit "
               f"{m['top1_logit']:.4g}")  # fmt: skip
     if args.out:
-        result = {"preset": args.preset, "device": args.device, "rows": rows, "divergences": margins}
+        result = {"preset": args.preset, "device": args.device, "placement": args.placement,
+                  "argv": sys.argv, "rows": rows, "divergences": margins}  # fmt: skip
         args.out.write_text(json.dumps(result, indent=2))
     return 0
 

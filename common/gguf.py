@@ -17,6 +17,7 @@ to the Hugging Face layout the rest of specsplit uses:
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,20 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 GGUF_TOKENIZER_MODELS = ("gpt2",)
 # llama.cpp pre-tokenizers that split every digit before the GPT-2 regex (llama-vocab.cpp groups these).
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva", "command-r")
+
+
+# One decoder layer's modules in a Hugging Face Llama checkpoint.
+HF_LAYER_MODULES = (
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def find_gguf(path: str | Path) -> Path | None:
@@ -106,8 +121,11 @@ class GGUFCheckpoint:
         heads = int(need("attention.head_count"))
         hidden = int(need("embedding_length"))
         vocab = opt("vocab_size")
-        if vocab is None:
-            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
+        if vocab is None:  # older files: the vocab size is the token list's length
+            tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise ValueError(f"{self.path}: neither {a}.vocab_size nor tokenizer.ggml.tokens is set")
+            vocab = len(tokens.data)
         scaling = opt("rope.scaling.type")
         raw = {
             "architectures": [GGUF_ARCHITECTURES[a]],
@@ -239,3 +257,55 @@ def permute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF -> llama.cpp row order (convert_hf_to_gguf's LlamaModel.permute); the inverse of unpermute_rows."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, 2, half, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+def export_layers(src: str | Path, out: str | Path, layers: list[int] | None = None) -> Path:
+    """Writes a Hugging Face checkpoint directory (config.json + fp32 model.safetensors) of the GGUF
+    model at `src`, keeping only the decoder layers `layers` (renumbered 0..n-1; default all) with the
+    embeddings, final norm and head. A layer subset of a target is a self-speculative draft: same
+    tokenizer and vocab, no training (LayerSkip / Draft & Verify); the target's own head reads it."""
+    from safetensors.torch import save_file
+
+    ckpt = open_gguf(Path(find_gguf(src) or src))
+    cfg = ckpt.config
+    layers = list(range(cfg.num_hidden_layers)) if layers is None else list(layers)
+    bad = [i for i in layers if not 0 <= i < cfg.num_hidden_layers]
+    if bad:
+        raise ValueError(f"layers: {bad[0]} is outside 0..{cfg.num_hidden_layers - 1}")
+    layer_names = [f"{m}.weight" for m in HF_LAYER_MODULES]
+    if cfg.attention_bias:
+        layer_names += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    tensors = {}
+    for hf_name in ("model.embed_tokens.weight", "model.norm.weight"):
+        tensors[hf_name] = ckpt.get_slice(hf_name)[:]
+    if not cfg.tie_word_embeddings:
+        tensors["lm_head.weight"] = ckpt.get_slice("lm_head.weight")[:]
+    for new, old in enumerate(layers):
+        for name in layer_names:
+            tensors[f"model.layers.{new}.{name}"] = ckpt.get_slice(f"model.layers.{old}.{name}")[:]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    config = {
+        "architectures": [cfg.architecture],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": len(layers),
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "eos_token_id": cfg.eos_token_id,
+        "bos_token_id": cfg.bos_token_id,
+        "torch_dtype": "float32",
+        "source_layers": layers,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

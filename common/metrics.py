@@ -118,6 +118,21 @@ class ServiceMetrics:
         self.verify_step = histogram(
             "verify_step_seconds", "One target verify step for the batch (k+1 positions).", STEP_BUCKETS
         )
+        self.step_gpu = histogram(
+            "step_gpu_seconds",
+            "GPU time of one target step (verify forward and rejection kernel), from CUDA events.",
+            STEP_BUCKETS,
+        )
+        self.step_host = histogram(
+            "step_host_seconds",
+            "Host time of one target step that the GPU did not cover (wall minus GPU time).",
+            STEP_BUCKETS,
+        )
+        self.step_k = histogram(
+            "spec_step_tokens",
+            "Draft tokens asked per request in one target step (the speculation policy's k; 0 = plain).",
+            (0, 1, 2, 3, 4, 5, 6, 8, 12, 16),
+        )
         self.round_trip = histogram(
             "draft_round_trip_seconds",
             "Target sends a draft request to the proposal arriving back, seen from the target.",
@@ -141,6 +156,10 @@ class ServiceMetrics:
         )
         self.fallback_steps = counter(
             "spec_fallback_steps_total", "Target steps run as plain decoding (k=0) because the draft failed."
+        )
+        self.serving_captures = counter(
+            "serving_captures_total",
+            "CUDA graph captures (and the kernel compiles inside them) that a step paid at serving time.",
         )
         self.draft_reconnects = counter("draft_reconnects_total", "Reconnect attempts from target to draft.")
         self.generated_tokens = counter("generation_tokens_total", "Output tokens streamed to clients.")

@@ -23,6 +23,9 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(DraftConfig, argv, "specsplit serve-draft", "Draft service for specsplit.")
     setup_logging(config.log_format, config.log_level, "draft")
+    # The step loop, the gRPC threads and the streamer share the GIL: at the default 5 ms switch interval
+    # a busy thread can hold up a message that has already arrived by up to 5 ms per thread hop.
+    sys.setswitchinterval(0.0005)
     log.info(
         "loading draft model %s (tp=%d, %s, %s, %s)",
         config.model,

@@ -21,6 +21,9 @@ class DraftConfig(ServiceConfig):
         "replicated", "Markov head weights on every rank or sharded", ("replicated", "sharded")
     )
     max_speculative_tokens: int = flag(8, "largest k a target may ask for")
+    num_speculative_tokens: int = flag(
+        4, "k whose draft rounds are captured as CUDA graphs at start-up (larger k is captured on first use)"
+    )
     sampled_top_k: int = flag(16, "K of the truncated draft distribution sent with sampled drafting")
     max_batch_size: int = flag(64, "draft KV slots (concurrent requests over all targets)")
     grpc_workers: int = flag(16, "gRPC server threads (one per open target stream)")

@@ -11,19 +11,22 @@ sent to the target as q. Every rank runs the same round, so the token choices
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from common.batch import pack
 from common.config import DTYPES
-from common.cuda_graphs import StaticStep
-from common.distributed import Comm
+from common.cuda_graphs import buckets
+from common.distributed import Comm, add_comm_stats, comm_stats
 from common.kernels.sampling import sample_draft_topk
 from common.kv_cache import KVCache, SlotTable
 from common.loader import load_model
 from common.tp_executor import TPExecutor, rank_device
 from draft_service.config import DraftConfig
+
+log = logging.getLogger("specsplit.draft")
 
 
 @dataclass
@@ -54,26 +57,18 @@ class DraftRunner:
         self.max_len = config.max_context_length + 2 * config.max_speculative_tokens + 4
         # One slot per request plus a scratch slot for the padded rows of static-shape steps.
         self.cache = KVCache.for_model(self.model, config.max_batch_size + 1, self.max_len)
-        self.greedy_step = StaticStep(
-            self._greedy_next,
-            config.max_batch_size,
-            self.max_len,
-            scratch_slot=config.max_batch_size,
-            device=self.device,
-            use_graphs=config.cuda_graphs,
-        )
         self.executor = TPExecutor(comm, {"draft_round": self.draft_round})
-        # Sampled drafting never replays the greedy step, so it only needs the warm-up forward.
-        self.graphs = self.greedy_step.warm_up([1], capture=config.draft_sampling == "greedy")
+        self.rounds = GreedyRounds(self, config.max_batch_size, config.cuda_graphs)
+        # Every round the default k produces (k + 1 for draft-ahead), catch-up of 1 or 2 tokens. Sampled
+        # drafting never replays a greedy round: it only needs the eager warm-up round.
+        ks = range(1, config.num_speculative_tokens + 2)
+        self.graphs = self.rounds.warm_up(ks, (1, 2), capture=config.draft_sampling == "greedy")
 
-    @torch.inference_mode()
-    def _greedy_next(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_len: int
-    ) -> torch.Tensor:
-        """One greedy draft position: feed [B, 1] tokens, return the next draft-vocab ids [B]."""
-        hidden = self.model(input_ids, positions, slots, self.cache, ctx_len)[:, 0]
-        zeros = torch.zeros_like(input_ids[:, 0], dtype=torch.float32)
-        return self._pick(hidden, input_ids[:, 0], zeros, zeros.long(), positions[:, 0], False)[0]
+    def pick_greedy(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H], prev [B] (the token just fed, for the Markov bias) -> greedy draft-vocab ids [B]."""
+        if self.config.use_local_argmax_reduction:
+            return self.model.get_top_tokens(hidden, prev)
+        return self.model.compute_logits(hidden, prev).argmax(dim=-1)
 
     def max_target_id(self) -> int:
         mc = self.model.config
@@ -117,6 +112,9 @@ class DraftRunner:
         seeds: list[int],
     ) -> RoundOutput:
         """rows[b]: pending target-vocab ids appended at starts[b]; returns k drafted tokens per row."""
+        sampled_rows = self.config.draft_sampling == "sampled" and any(t > 0 for t in temperatures)
+        if not sampled_rows:
+            return RoundOutput(self.rounds.run(rows, starts, slots, k))
         batch = pack(rows, starts, slots, self.device, self.max_len)
         hidden = self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
         rows_idx = torch.arange(len(rows), device=self.device)
@@ -125,7 +123,6 @@ class DraftRunner:
         positions = batch.positions[rows_idx, batch.last_index] + 1
         temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)
         seed_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)
-        sampled_rows = self.config.draft_sampling == "sampled" and any(t > 0 for t in temperatures)
         drafted, all_ids, all_probs = [], [], []
         draft_ids, ids, probs = self._pick(hidden, prev, temperature, seed_t, positions, sampled_rows)
         for j in range(k):
@@ -137,11 +134,8 @@ class DraftRunner:
             if j == k - 1:
                 break
             ctx = min(self.max_len, batch.ctx_len + j + 1)
-            if sampled_rows:
-                hidden = self.model(token[:, None], positions[:, None], batch.slots, self.cache, ctx)[:, 0]
-                draft_ids, ids, probs = self._pick(hidden, token, temperature, seed_t, positions + 1, True)
-            else:  # static shapes: replayed from a CUDA graph on the GPU
-                draft_ids = self.greedy_step(token[:, None], positions[:, None], batch.slots, ctx)
+            hidden = self.model(token[:, None], positions[:, None], batch.slots, self.cache, ctx)[:, 0]
+            draft_ids, ids, probs = self._pick(hidden, token, temperature, seed_t, positions + 1, True)
             positions = positions + 1
         tokens = torch.stack(drafted, dim=1).tolist()
         if not all_ids:
@@ -154,6 +148,137 @@ class DraftRunner:
             [[] if g else row for g, row in zip(greedy, ids.tolist())],
             [[] if g else row for g, row in zip(greedy, probs.tolist())],
         )
+
+
+class GreedyRounds:
+    """A whole greedy draft round as one CUDA graph replay: the catch-up forward over each request's
+    pending tokens (1 or 2 after a verdict), then k one-token positions, each fed the previous position's
+    token on the device. One graph per (batch bucket, catch-up width, k, context bucket); the round
+    reads back one [B, k] tensor. Longer catch-ups (a new request, a long verdict) run their extra tokens
+    eagerly first. Without graphs (the CPU) the same round function runs eagerly.
+    """
+
+    def __init__(self, runner: DraftRunner, max_batch: int, use_graphs: bool):
+        self.runner = runner
+        self.device = runner.device
+        self.scratch_slot = max_batch
+        self.batch_buckets = buckets(max_batch)
+        self.ctx_buckets = buckets(runner.max_len, min(256, runner.max_len))
+        self.widths = (1, 2)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def _static(self, batch: int, width: int) -> dict[str, torch.Tensor]:
+        key = (batch, width)
+        if key not in self.inputs:
+            dev = self.device
+            self.inputs[key] = {
+                "input_ids": torch.zeros(batch, width, dtype=torch.int64, device=dev),
+                "positions": torch.arange(width, device=dev).repeat(batch, 1),
+                "slots": torch.full((batch,), self.scratch_slot, dtype=torch.int64, device=dev),
+                "last_index": torch.zeros(batch, dtype=torch.int64, device=dev),
+            }
+        return self.inputs[key]
+
+    def round(self, x: dict[str, torch.Tensor], k: int, ctx: int) -> torch.Tensor:
+        """input_ids/positions [B, W], slots/last_index [B] -> k drafted target-vocab ids [B, k]."""
+        r = self.runner
+        model = r.model
+        hidden = model(x["input_ids"], x["positions"], x["slots"], r.cache, ctx)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        hidden = hidden[rows, x["last_index"]]
+        prev = x["input_ids"][rows, x["last_index"]]
+        pos = x["positions"][rows, x["last_index"]]
+        drafted = []
+        for j in range(k):
+            token = model.map_to_target(r.pick_greedy(hidden, prev))
+            drafted.append(token)
+            if j == k - 1:
+                break
+            pos = pos + 1
+            hidden = model(token[:, None], pos[:, None], x["slots"], r.cache, ctx)[:, 0]
+            prev = token
+        return torch.stack(drafted, dim=1)
+
+    def _capture(self, batch: int, width: int, k: int, ctx: int):
+        static = self._static(batch, width)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.round(static, k, ctx)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        before = comm_stats()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.round(static, k, ctx)
+        after = comm_stats()
+        per_replay = {
+            key: (c - before.get(key, (0, 0))[0], b - before.get(key, (0, 0))[1])
+            for key, (c, b) in after.items()
+            if (c, b) != before.get(key, (0, 0))
+        }
+        return graph, out, per_replay
+
+    @torch.inference_mode()
+    def warm_up(self, ks, widths, capture: bool) -> int:
+        """One eager round on the scratch slot (kernels warm, every collective site counted once, so its
+        metric series exist); on the GPU, captures every (batch bucket, width, k, context bucket)."""
+        self.round(self._static(1, 1), 1, self.ctx_buckets[0])
+        if not (self.use_graphs and capture):
+            return 0
+        for ctx in self.ctx_buckets:
+            for batch in self.batch_buckets:
+                for width in widths:
+                    for k in ks:
+                        self.graphs[batch, width, k, ctx] = self._capture(batch, width, k, ctx)
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs)
+
+    @torch.inference_mode()
+    def run(self, rows: list[list[int]], starts: list[int], slots: list[int], k: int) -> list[list[int]]:
+        """rows[b]: pending target-vocab ids appended at starts[b]; returns k greedy draft tokens per row."""
+        r = self.runner
+        starts = list(starts)
+        if any(len(row) > self.widths[-1] for row in rows):  # long catch-ups: all but the last token
+            early = [(row[:-1], s, slot) for row, s, slot in zip(rows, starts, slots) if len(row) > 1]
+            batch = pack([e[0] for e in early], [e[1] for e in early], [e[2] for e in early], self.device,
+                         r.max_len)  # fmt: skip
+            r.model(batch.input_ids, batch.positions, batch.slots, r.cache, batch.ctx_len)
+            starts = [s + len(row) - 1 for row, s in zip(rows, starts)]
+            rows = [row[-1:] for row in rows]
+        n = len(rows)
+        width = max(len(row) for row in rows)
+        padded = next(b for b in self.batch_buckets if b >= n) if n <= self.batch_buckets[-1] else n
+        ctx_needed = max(s + width for s in starts) + k
+        ctx = next((c for c in self.ctx_buckets if c >= ctx_needed), self.ctx_buckets[-1])
+        static = self._static(padded, width)
+        ids = [row + [0] * (width - len(row)) for row in rows] + [[0] * width] * (padded - n)
+        pos = [[s + j for j in range(width)] for s in starts] + [list(range(width))] * (padded - n)
+        host = torch.tensor(
+            [x for row in ids for x in row] + [x for row in pos for x in row]
+            + list(slots) + [self.scratch_slot] * (padded - n)
+            + [len(row) - 1 for row in rows] + [0] * (padded - n),
+            dtype=torch.int64,
+        )  # fmt: skip
+        flat = host.to(self.device, non_blocking=True)
+        m = padded * width
+        static["input_ids"].view(-1).copy_(flat[:m])
+        static["positions"].view(-1).copy_(flat[m : 2 * m])
+        static["slots"].copy_(flat[2 * m : 2 * m + padded])
+        static["last_index"].copy_(flat[2 * m + padded :])
+        key = (padded, width, k, ctx)
+        if not self.use_graphs:
+            return self.round(static, k, ctx)[:n].tolist()
+        if key not in self.graphs:
+            log.warning("capturing a draft round graph while serving: batch %d, width %d, k %d, context %d",
+                        *key)  # fmt: skip
+            self.graphs[key] = self._capture(padded, width, k, ctx)
+        graph, out, per_replay = self.graphs[key]
+        graph.replay()
+        add_comm_stats(per_replay)
+        return out[:n].tolist()
 
 
 def tp_worker(comm: Comm, config: DraftConfig) -> TPExecutor:
@@ -177,9 +302,10 @@ class DraftRequest:
     slot: int
     committed: list[int]  # target-vocab ids the target has committed
     kv_tokens: list[int]  # tokens whose KV the slot holds, in order
-    k: int
+    k: int  # the most tokens this request drafts per round
     temperature: float
     seed: int
+    round_k: int = 0  # tokens asked in the current round (the target's step k, at most k)
     ready: Proposal | None = None  # a proposal computed before it was asked for
     ahead_expect: list[int] | None = None  # committed sequence under which `ahead` is valid
     ahead: Proposal | None = None
@@ -256,26 +382,34 @@ class DraftState:
             seeds=[r.seed for r in reqs],
         )
 
-    def propose(self, reqs: list[DraftRequest]) -> dict[int, Proposal]:
-        """Proposals for `reqs` (k each); ready draft-ahead proposals are used as they are."""
+    def propose(self, reqs: list[DraftRequest], ks: list[int] | None = None) -> dict[int, Proposal]:
+        """Proposals for `reqs`: min(ks[i], r.k) tokens each (r.k where ks[i] is 0 or missing); a ready
+        draft-ahead proposal is used when it is long enough (cut to the asked length)."""
         out: dict[int, Proposal] = {}
         todo = []
-        for req in reqs:
-            if req.ready is not None and len(req.ready.tokens) == req.k:
-                out[req.request_id] = req.ready
-            elif req.k > 0 and self.fits(req, 2 * req.k + 2):
+        K = self.runner.config.sampled_top_k
+        for i, req in enumerate(reqs):
+            asked = ks[i] if ks is not None and i < len(ks) else 0
+            req.round_k = min(asked, req.k) if asked else req.k
+            ready = req.ready
+            req.ready = None
+            if ready is not None and len(ready.tokens) >= req.round_k > 0:
+                n = req.round_k
+                out[req.request_id] = Proposal(
+                    ready.tokens[:n], ready.topk_ids[: n * K], ready.topk_probs[: n * K], ready.ahead_hit
+                )
+            elif req.round_k > 0 and self.fits(req, 2 * req.round_k + 2):
                 todo.append(req)
             else:
                 out[req.request_id] = Proposal([])
-            req.ready = None
         if todo:
-            k = max(r.k for r in todo)
+            k = max(r.round_k for r in todo)
             result = self._run(todo, [r.committed[len(r.kv_tokens) :] for r in todo], k)
             for b, req in enumerate(todo):
-                K = self.runner.config.sampled_top_k
-                tokens = result.tokens[b][: req.k]
-                ids = result.topk_ids[b][: req.k * K] if result.topk_ids else []
-                probs = result.topk_probs[b][: req.k * K] if result.topk_probs else []
+                n = req.round_k
+                tokens = result.tokens[b][:n]
+                ids = result.topk_ids[b][: n * K] if result.topk_ids else []
+                probs = result.topk_probs[b][: n * K] if result.topk_probs else []
                 req.kv_tokens = req.committed + result.tokens[b][: k - 1]
                 out[req.request_id] = Proposal(tokens, ids, probs)
         self.draft_tokens += sum(len(p.tokens) for p in out.values())
@@ -297,21 +431,21 @@ class DraftState:
         todo = []
         for req in reqs:
             prop = proposals.get(req.request_id)
-            if prop is None or not prop.tokens or len(prop.tokens) != req.k:
+            if prop is None or not prop.tokens or len(prop.tokens) != req.round_k:
                 continue
-            if req.kv_tokens != req.committed + prop.tokens[:-1] or not self.fits(req, 3 * req.k + 4):
+            if req.kv_tokens != req.committed + prop.tokens[:-1] or not self.fits(req, 3 * req.round_k + 4):
                 continue
             todo.append(req)
         if not todo:
             return
-        k = max(r.k for r in todo) + 1
+        k = max(r.round_k for r in todo) + 1
         result = self._run(todo, [[proposals[r.request_id].tokens[-1]] for r in todo], k)
         K = self.runner.config.sampled_top_k
         for b, req in enumerate(todo):
             prop = proposals[req.request_id]
-            guess, *nxt = result.tokens[b][: req.k + 1]
+            guess, *nxt = result.tokens[b][: req.round_k + 1]
             req.kv_tokens = [*req.kv_tokens, prop.tokens[-1], *result.tokens[b][: k - 1]]
             req.ahead_expect = req.committed + prop.tokens + [guess]
-            ids = result.topk_ids[b][K : (req.k + 1) * K] if result.topk_ids else []
-            probs = result.topk_probs[b][K : (req.k + 1) * K] if result.topk_probs else []
+            ids = result.topk_ids[b][K : (req.round_k + 1) * K] if result.topk_ids else []
+            probs = result.topk_probs[b][K : (req.round_k + 1) * K] if result.topk_probs else []
             req.ahead = Proposal(nxt, ids, probs)

@@ -167,9 +167,11 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             elif hit is False:
                 self.metrics.draft_ahead_misses.inc()
         unknown += [r for r in msg.propose if r not in reqs and r not in unknown]
-        targets = [reqs[r] for r in msg.propose if r in reqs]
+        asked = [(reqs[r], msg.propose_k[i] if i < len(msg.propose_k) else 0)
+                 for i, r in enumerate(msg.propose) if r in reqs]  # fmt: skip
+        targets = [r for r, _ in asked]
         t0 = time.perf_counter()
-        proposals = self.state.propose(targets) if targets else {}
+        proposals = self.state.propose(targets, [k for _, k in asked]) if targets else {}
         elapsed = time.perf_counter() - t0
         if targets:
             self.metrics.draft_step.observe(elapsed)

@@ -220,7 +220,8 @@ def build_chat_request(
     messages: ChatMessages, **options: Unpack[GenerateOptions]
 ) -> target_pb2.GenerateRequest:
     """A GenerateRequest whose prompt is chat turns; the target renders its model's chat template."""
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+    raw: object = messages  # callers outside mypy pass anything
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
         raise _invalid(f"messages: expected a list of {{role, content}} dicts, got {type(messages).__name__}")
     request = build_request("", **options)
     chat = request.messages

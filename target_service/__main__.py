@@ -37,6 +37,9 @@ def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
 def main(argv: list[str] | None = None) -> int:
     config = parse_config(TargetConfig, argv, "specsplit serve-target", "Target service for specsplit.")
     setup_logging(config.log_format, config.log_level, "target")
+    # The step loop, the gRPC threads and the streamer share the GIL: at the default 5 ms switch interval
+    # a busy thread can hold up a message that has already arrived by up to 5 ms per thread hop.
+    sys.setswitchinterval(0.0005)
     log.info(
         "loading target model %s (tp=%d, %s, %s)", config.model, config.tp_size, config.device, config.dtype
     )
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         mc.name,
         mc.vocab_size,
         runner.max_context,
-        runner.graphs,
+        runner.num_graphs,
     )
 
     metrics = service_metrics(

@@ -16,6 +16,12 @@ class TargetConfig(ServiceConfig):
     max_queued_requests: int = flag(256, "waiting requests before RESOURCE_EXHAUSTED")
     max_stop_strings: int = flag(16, "stop strings per request")
     max_stop_string_length: int = flag(256, "characters per stop string")
+    speculation_policy: str = flag(
+        "adaptive",
+        "how many draft tokens a step asks for: fixed (each request's k) or adaptive (the k in [0, k] that "
+        "maximises expected tokens per second from measured step costs and running acceptance)",
+        ("fixed", "adaptive"),
+    )
     draft_timeout: float = flag(2.0, "seconds to wait for a draft proposal before verifying with k = 0")
     draft_backoff_max: float = flag(10.0, "longest pause between draft reconnect attempts, seconds")
     verify_backend: str = flag(

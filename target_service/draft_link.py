@@ -2,9 +2,9 @@
 
 A background thread keeps the stream up and reconnects with exponential backoff.
 Each new stream starts a new `epoch`: the draft lost all state, so the scheduler
-re-sends every running request. `exchange` sends one step's message and waits
-for the answer with the same step number; late answers to older steps are dropped,
-so a stale proposal is never applied.
+re-sends every running request. `send` queues one step's message; `receive` waits for
+the answer with the same step number; answers to older steps are dropped, so a stale
+proposal is never applied.
 """
 
 from __future__ import annotations
@@ -133,21 +133,23 @@ class DraftLink:
                     return
                 backoff = min(backoff * 2, self.backoff_max)
 
-    def exchange(
-        self, msg: draft_pb2.SpeculateRequest, epoch: int, timeout: float
-    ) -> draft_pb2.SpeculateResponse | None:
-        """Send one step; the matching answer, or None (not connected, epoch changed, timed out)."""
-        send_q, recv_q = self._send_q, self._recv_q
+    def send(self, msg: draft_pb2.SpeculateRequest, epoch: int) -> bool:
+        """Queue one step's message on the stream without waiting; False when not connected."""
+        send_q = self._send_q
         if not self.connected or send_q is None or epoch != self.epoch:
-            return None
+            return False
         if self._first_message:
             msg.target_vocab_size = self.target_vocab_size
             self._first_message = False
         self.metrics.count_grpc_message("sent", "speculate_request", msg.ByteSize())
-        t0 = time.perf_counter()
         send_q.put(msg)
-        deadline = t0 + timeout
-        while True:
+        return True
+
+    def receive(self, step: int, epoch: int, deadline: float) -> draft_pb2.SpeculateResponse | None:
+        """The answer to `step`, or None (stream ended, epoch changed, deadline passed). Answers to older
+        steps (late ones, or to messages sent without waiting) are dropped, never applied."""
+        recv_q = self._recv_q
+        while epoch == self.epoch:
             remaining = deadline - time.perf_counter()
             if remaining <= 0:
                 return None
@@ -157,7 +159,6 @@ class DraftLink:
                 return None
             if response is _STREAM_END:
                 return None
-            if response.step == msg.step:
-                self.metrics.round_trip.observe(time.perf_counter() - t0)
+            if response.step == step:
                 return response
-            # An older step's late answer: never applied.
+        return None

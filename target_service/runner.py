@@ -1,22 +1,143 @@
-"""Target model execution on every TP rank: prefill and the (k+1)-position verify forward."""
+"""Target model execution on every TP rank: prefill, and the verify step as one graph replay.
+
+A verify step is the (k+1)-position forward of every running request followed by the rejection kernel.
+Both run from one CUDA graph per (batch bucket, width, context bucket), all captured at start-up, so a
+step never pays for a capture or a Triton compile while serving (the kernels' launch constants depend on
+the padded shape only, and every padded shape is warmed). The host packs a step's inputs into one pinned
+buffer per dtype (one host-to-device copy each), replays, and reads back one small int32 tensor
+[B, width + 2] (emitted tokens, accepted count, emitted count): one device-to-host copy per step.
+
+Sampled requests with top-k / top-p, or with a sparse draft distribution q, need inputs whose shape
+the graph does not fix: for those steps the rejection kernel runs again eagerly on the graph's logits.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 import torch
 
 from common.batch import pack
 from common.config import DTYPES
-from common.cuda_graphs import StaticStep
-from common.distributed import Comm
+from common.cuda_graphs import buckets
+from common.distributed import Comm, add_comm_stats, comm_stats
+from common.kernels.rejection import verify
+from common.kernels.rejection_ref import verify_reference
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.tp_executor import TPExecutor, rank_device
 from target_service.config import TargetConfig
 
+log = logging.getLogger("specsplit.target")
+
+INT_FIELDS = ("input_ids", "positions", "slots", "draft_ids", "num_draft", "seeds", "commit_len")
+CTX_MIN = 256
+
+
+@dataclass
+class StepRow:
+    """One request's row of a verify step (host values)."""
+
+    last_token: int  # t_n, fed at position `start`
+    drafts: list[int]  # d_1..d_k (k may be below the step's width - 1)
+    start: int  # position of t_n = committed length - 1
+    slot: int
+    temperature: float
+    seed: int
+    top_k: int = 0
+    top_p: float = 1.0
+    topk_ids: list[int] | None = None  # sparse q: k * K ids (None: one-hot q at the drafted token)
+    topk_probs: list[float] | None = None
+    topk_width: int = 0
+
+
+@dataclass
+class StepResult:
+    tokens: list[list[int]]  # emitted tokens per real row (accepted drafts + one more)
+    accepted: list[int]
+    gpu_seconds: float  # GPU time of the step (CUDA events; 0 on the CPU)
+
+
+class StepBuffers:
+    """A step's inputs for one (batch bucket, width): named views into one int64 and one fp32 buffer.
+
+    The graph reads the device buffers; `load` fills the pinned host mirror and issues one copy per
+    dtype, so a step costs two host-to-device copies whatever its size.
+    """
+
+    def __init__(self, batch: int, width: int, scratch_slot: int, device: torch.device):
+        self.batch, self.width = batch, width
+        sizes = {
+            "input_ids": batch * width,
+            "positions": batch * width,
+            "slots": batch,
+            "draft_ids": batch * (width - 1),
+            "num_draft": batch,
+            "seeds": batch,
+            "commit_len": batch,
+        }
+        self.offsets: dict[str, tuple[int, int]] = {}
+        off = 0
+        for name in INT_FIELDS:
+            self.offsets[name] = (off, sizes[name])
+            off += sizes[name]
+        pin = device.type == "cuda"
+        self.ints = torch.zeros(off, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(batch, dtype=torch.float32, device=device)  # temperature
+        self.host_ints = torch.zeros(off, dtype=torch.int64, pin_memory=pin) if pin else self.ints
+        self.host_floats = torch.zeros(batch, dtype=torch.float32, pin_memory=pin) if pin else self.floats
+        self.scratch_slot = scratch_slot
+
+    def view(self, name: str) -> torch.Tensor:
+        off, n = self.offsets[name]
+        t = self.ints[off : off + n]
+        if name in ("input_ids", "positions"):
+            return t.view(self.batch, self.width)
+        if name == "draft_ids":
+            return t.view(self.batch, self.width - 1)
+        return t
+
+    def load(self, tokens: list[list[int]], starts: list[int], slots_in: list[int], seeds_in: list[int],
+             temperatures: list[float]) -> None:  # fmt: skip
+        """Row b feeds tokens[b] = [t_n, d_1..d_k] at positions starts[b].. into slot slots_in[b]. Pads to
+        the bucket: padding rows feed token 0 into the scratch slot and draft nothing."""
+        b, w = self.batch, self.width
+        ints = self.host_ints.numpy()
+        ids = np.zeros((b, w), dtype=np.int64)
+        pos = np.tile(np.arange(w, dtype=np.int64), (b, 1))
+        slots = np.full(b, self.scratch_slot, dtype=np.int64)
+        drafts = np.full((b, w - 1), -1, dtype=np.int64)
+        num_draft = np.zeros(b, dtype=np.int64)
+        seeds = np.zeros(b, dtype=np.int64)
+        commit = np.zeros(b, dtype=np.int64)
+        temps = np.zeros(b, dtype=np.float32)
+        n = len(tokens)
+        for i, row in enumerate(tokens):
+            ids[i, : len(row)] = row
+            drafts[i, : len(row) - 1] = row[1:]
+            num_draft[i] = len(row) - 1
+        pos[:n] += np.asarray(starts, dtype=np.int64)[:, None]
+        slots[:n] = slots_in
+        seeds[:n] = seeds_in
+        commit[:n] = np.asarray(starts, dtype=np.int64) + 1
+        temps[:n] = temperatures
+        for name, arr in zip(INT_FIELDS, (ids, pos, slots, drafts, num_draft, seeds, commit)):
+            off, size = self.offsets[name]
+            ints[off : off + size] = arr.reshape(-1)
+        self.host_floats.numpy()[:] = temps
+        if self.host_ints is not self.ints:
+            self.ints.copy_(self.host_ints, non_blocking=True)
+            self.floats.copy_(self.host_floats, non_blocking=True)
+
 
 class TargetRunner:
     def __init__(self, comm: Comm, config: TargetConfig):
         self.config = config
+        self.comm = comm
         self.device = rank_device(config.device, comm.rank)
         self.model = load_model(
             config.model,
@@ -30,25 +151,133 @@ class TargetRunner:
         # Padding of a verify row may run k+1 positions past the longest allowed sequence.
         self.max_len = self.max_context + config.max_speculative_tokens + 2
         # One slot per request plus a scratch slot for the padded rows of static-shape steps.
+        self.scratch_slot = config.max_batch_size
         self.cache = KVCache.for_model(self.model, config.max_batch_size + 1, self.max_len)
-        self.verify_step = StaticStep(
-            self._logits,
-            config.max_batch_size,
-            self.max_len,
-            scratch_slot=config.max_batch_size,
-            device=self.device,
-            use_graphs=config.cuda_graphs,
-            copy_output=False,  # the logits are consumed by verify() before the next step
+        self.batch_buckets = buckets(config.max_batch_size)
+        self.ctx_buckets = buckets(self.max_len, min(CTX_MIN, self.max_len))
+        self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
+        on_gpu = self.device.type == "cuda" or _interpreting()
+        backend = config.verify_backend
+        if backend == "auto":
+            backend = "triton" if on_gpu else "torch"
+        self.verify_backend = backend
+        self.verify_fn = verify if backend == "triton" else verify_reference
+        # The rejection kernel joins the graph when it is the Triton one (the torch reference syncs).
+        self.verify_in_graph = backend == "triton"
+        self.buffers: dict[tuple[int, int], StepBuffers] = {}
+        self.graphs: dict[tuple[int, int, int], tuple[Any, torch.Tensor, torch.Tensor | None, dict]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.captures_at_serving = 0
+        self.serving = False
+        self.out_host = (
+            torch.zeros(self.batch_buckets[-1] * (config.max_speculative_tokens + 3), dtype=torch.int32,
+                        pin_memory=True)
+            if self.device.type == "cuda"
+            else None
+        )  # fmt: skip
+        self.events = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            if self.device.type == "cuda"
+            else None
         )
-        self.executor = TPExecutor(comm, {"prefill": self.prefill, "verify_forward": self.verify_forward})
-        # Plain decoding (width 1) and the default k; other widths are captured on first use.
-        self.graphs = self.verify_step.warm_up(sorted({1, config.num_speculative_tokens + 1}))
+        self.executor = TPExecutor(comm, {"prefill": self.prefill, "verify_step": self.verify_step})
+        # Plain decoding (width 1) up to the default k: every width the scheduler produces by default.
+        self.widths = list(range(1, config.num_speculative_tokens + 2))
+        self.num_graphs = self.warm_up(self.widths)
+        # Timed on every rank: the graphs hold collectives, so all ranks must replay them together.
+        self.step_costs = self.time_steps(self.widths)
+        self.serving = True
+
+    # -- graphs ------------------------------------------------------------------------------------------
+    def _buffers(self, batch: int, width: int) -> StepBuffers:
+        key = (batch, width)
+        if key not in self.buffers:
+            self.buffers[key] = StepBuffers(batch, width, self.scratch_slot, self.device)
+        return self.buffers[key]
+
+    def _forward(self, buf: StepBuffers, ctx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward + logits (+ the rejection kernel): fp32 logits [B * W, V], packed [B, W + 2] int32."""
+        hidden = self.model(buf.view("input_ids"), buf.view("positions"), buf.view("slots"), self.cache, ctx)
+        logits = self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+        if not self.verify_in_graph:
+            return logits, None
+        res = verify(
+            logits,
+            buf.view("draft_ids"),
+            buf.view("num_draft").to(torch.int32),
+            buf.floats,
+            buf.view("seeds"),
+            buf.view("commit_len"),
+        )
+        packed = torch.cat([res.output_tokens, res.num_accepted[:, None], res.num_emitted[:, None]], 1)
+        return logits, packed
+
+    def _capture(self, batch: int, width: int, ctx: int):
+        buf = self._buffers(batch, width)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up outside the graph: allocator, Triton compiles
+            self._forward(buf, ctx)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        before = comm_stats()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits, packed = self._forward(buf, ctx)
+        after = comm_stats()
+        per_replay = {
+            k: (c - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
+            for k, (c, b) in after.items()
+            if (c, b) != before.get(k, (0, 0))
+        }
+        return graph, logits, packed, per_replay
 
     @torch.inference_mode()
-    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx_len: int):
-        hidden = self.model(input_ids, positions, slots, self.cache, ctx_len)
-        return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+    def warm_up(self, widths: list[int]) -> int:
+        """One eager step on the scratch slot (kernels warm, every collective site counted once, so its
+        metric series exist); on the GPU, captures every (batch bucket, width, context bucket)."""
+        buf = self._buffers(1, 1)
+        self._forward(buf, self.ctx_buckets[0])
+        if not self.use_graphs:
+            return 0
+        t0 = time.perf_counter()
+        for ctx in self.ctx_buckets:
+            for batch in self.batch_buckets:
+                for width in widths:
+                    self.graphs[batch, width, ctx] = self._capture(batch, width, ctx)
+        torch.cuda.synchronize(self.device)
+        if self.comm.rank == 0:
+            log.info("captured %d verify graphs in %.1fs", len(self.graphs), time.perf_counter() - t0)
+        return len(self.graphs)
 
+    @torch.inference_mode()
+    def time_steps(self, widths: list[int], repeats: int = 3) -> dict[tuple[int, int], float]:
+        """Seconds of one verify step per (batch bucket, width) at the smallest context bucket, for the
+        speculation policy's first decisions (real steps refine them). On the CPU only small buckets."""
+        costs = {}
+        ctx = self.ctx_buckets[0]
+        if not self.use_graphs:  # eager CPU steps are slow: batch 1, once (real steps refine the rest)
+            repeats = 1
+        for batch in self.batch_buckets:
+            if not self.use_graphs and batch > 1:
+                break
+            for width in widths:
+                if width > ctx:
+                    continue
+                buf = self._buffers(batch, width)
+                graph = self.graphs.get((batch, width, ctx))
+                run = graph[0].replay if graph else (lambda b=buf: self._forward(b, ctx))
+                run()
+                if self.use_graphs:
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    run()
+                if self.use_graphs:
+                    torch.cuda.synchronize(self.device)
+                costs[batch, width] = (time.perf_counter() - t0) / repeats
+        return costs
+
+    # -- handlers (every rank) ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], slots: list[int]) -> None:
         """Writes the KV of prompt tokens (all but the last, which the first verify step feeds)."""
@@ -56,12 +285,126 @@ class TargetRunner:
         self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
 
     @torch.inference_mode()
-    def verify_forward(
-        self, rows: list[list[int]], starts: list[int], slots: list[int], width: int
-    ) -> torch.Tensor:
-        """rows[b] = [t_n, d_1..d_k] at positions starts[b]...; returns fp32 logits [B * width, V]."""
-        batch = pack(rows, starts, slots, self.device, self.max_len, width=width)
-        return self.verify_step(batch.input_ids, batch.positions, batch.slots, batch.ctx_len)
+    def verify_step(
+        self,
+        tokens: list[list[int]],
+        starts: list[int],
+        slots: list[int],
+        seeds: list[int],
+        temperatures: list[float],
+        width: int,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Runs the step's forward (and in-graph rejection kernel), padded to the buckets. Plain lists, so
+        the TP executor sends them as one packed message. Row b: tokens[b] = [t_n, d_1..d_k] at positions
+        starts[b]...
+
+        Returns (logits [Bp * width, V], packed [Bp, width + 2] or None, Bp)."""
+        padded = _bucket(self.batch_buckets, len(tokens))
+        ctx_needed = max(starts) + width
+        ctx = _bucket(self.ctx_buckets, ctx_needed)
+        buf = self._buffers(padded, width)
+        buf.load(tokens, starts, slots, seeds, temperatures)
+        if not self.use_graphs:
+            logits, packed = self._forward(buf, ctx)
+            return logits, packed, padded
+        key = (padded, width, ctx)
+        if key not in self.graphs:  # a width past the default k: counted, logged, captured once
+            self.captures_at_serving += 1
+            log.warning("capturing a verify graph while serving: batch %d, width %d, context %d", *key)
+            self.graphs[key] = self._capture(padded, width, ctx)
+        graph, logits, packed, per_replay = self.graphs[key]
+        graph.replay()
+        add_comm_stats(per_replay)
+        return logits, packed, padded
+
+    # -- rank 0 ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, rows: list[StepRow], width: int) -> StepResult:
+        """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row."""
+        if self.events is not None:
+            self.events[0].record()
+        logits, packed, padded = self.executor.run(
+            "verify_step",
+            tokens=[[r.last_token, *r.drafts] for r in rows],
+            starts=[r.start for r in rows],
+            slots=[r.slot for r in rows],
+            seeds=[r.seed for r in rows],
+            temperatures=[float(r.temperature) for r in rows],
+            width=width,
+        )
+        eager = packed is None or any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)
+        if eager:
+            packed = self._verify_eager(rows, logits, padded, width)
+        n = len(rows)
+        if self.out_host is not None:
+            host = self.out_host[: padded * (width + 2)].view(padded, width + 2)
+            host.copy_(packed, non_blocking=True)
+            self.events[1].record()
+            self.events[1].synchronize()
+            gpu = self.events[0].elapsed_time(self.events[1]) / 1e3
+            out = host[:n].tolist()
+        else:
+            gpu = 0.0
+            out = packed[:n].tolist()
+        tokens = [row[: row[-1]] for row in out]
+        accepted = [row[-2] for row in out]
+        return StepResult(tokens, accepted, gpu)
+
+    def _verify_eager(self, rows: list[StepRow], logits: torch.Tensor, padded: int, width: int):
+        buf = self._buffers(padded, width)
+        dev = self.device
+        kwargs: dict[str, torch.Tensor] = {}
+        if any(r.top_k for r in rows):
+            kwargs["top_k"] = _padded([r.top_k for r in rows], padded, 0, torch.int32, dev)
+        if any(r.top_p < 1.0 for r in rows):
+            kwargs["top_p"] = _padded([r.top_p for r in rows], padded, 1.0, torch.float32, dev)
+        widths = {r.topk_width for r in rows if r.topk_ids}
+        if widths:
+            # One sparse-q call for the whole batch: a greedy draft's q is one-hot, i.e. its token with
+            # probability 1 in a top-K list of zeros.
+            kq = max(widths)
+            ids = np.zeros((padded, width - 1, kq), dtype=np.int64)
+            probs = np.zeros((padded, width - 1, kq), dtype=np.float32)
+            for i, r in enumerate(rows):
+                k = len(r.drafts)
+                if r.topk_ids:
+                    w = r.topk_width
+                    ids[i, :k, :w] = np.asarray(r.topk_ids[: k * w]).reshape(k, w)
+                    probs[i, :k, :w] = np.asarray(r.topk_probs[: k * w]).reshape(k, w)
+                else:
+                    ids[i, :k, 0] = r.drafts
+                    probs[i, :k, 0] = 1.0
+            kwargs["draft_topk_ids"] = torch.from_numpy(ids).to(dev)
+            kwargs["draft_topk_probs"] = torch.from_numpy(probs).to(dev)
+        res = self.verify_fn(
+            logits,
+            buf.view("draft_ids"),
+            buf.view("num_draft").to(torch.int32),
+            buf.floats,
+            buf.view("seeds"),
+            buf.view("commit_len"),
+            **kwargs,
+        )
+        return torch.cat(
+            [res.output_tokens.int(), res.num_accepted.int()[:, None], res.num_emitted.int()[:, None]], 1
+        )
+
+
+def _bucket(values: list[int], n: int) -> int:
+    for v in values:
+        if v >= n:
+            return v
+    raise ValueError(f"{n} is past the largest bucket {values[-1]}")
+
+
+def _padded(values: list, size: int, fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values + [fill] * (size - len(values)), dtype=dtype, device=device)
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def tp_worker(comm: Comm, config: TargetConfig) -> TPExecutor:

@@ -1,70 +1,36 @@
-"""Continuous batching for the target: admit, prefill, speculate, verify, stream.
+"""Continuous batching for the target: plan → propose → verify → commit, one step at a time.
 
-One loop on TP rank 0. Each step:
-1. drop cancelled requests, admit waiting ones (prefill all prompt tokens but the last);
-2. ask the draft for k tokens per request (one message for the whole batch), or use
-   k = 0 when the draft is away, slow or the request opted out;
-3. one verify forward over [t_n, d_1..d_k] for every running request;
-4. the rejection kernel decides; new tokens are streamed at once and become the
-   verdicts sent with the next step's draft message.
+One loop on TP rank 0. A step reads in four lines (`_step`):
+- plan: drop cancelled requests, admit waiting ones (prefill), and let the speculation policy pick k;
+- propose: the draft's proposals for this batch (`DraftSession`: asked at the end of the previous step,
+  so the draft round overlaps this loop's host work; a step with k = 0 sends nothing, waits for nothing);
+- verify: one graph replay for the forward over [t_n, d_1..d_k] of every request and the rejection
+  kernel, one small read-back (`TargetRunner.step`);
+- commit: stop checks on token ids, the next ask to the draft, then the new tokens go to the streamer
+  thread, which detokenizes, matches stop strings and writes to the clients off the critical path.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
-import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
-import torch
-
-from common.kernels.rejection import VerifyResult, verify
-from common.kernels.rejection_ref import verify_reference
 from common.kv_cache import SlotTable
 from common.metrics import ServiceMetrics
-from specsplit.v1 import draft_pb2, sampling_pb2, target_pb2
+from specsplit.v1 import target_pb2
 from target_service.config import TargetConfig
-from target_service.detok import StreamDetokenizer
 from target_service.draft_link import DraftLink
-from target_service.runner import TargetRunner
+from target_service.draft_session import DraftSession, Proposal, checked_proposal
+from target_service.policy import SpeculationPolicy, StepCosts
+from target_service.request import FINISH, Request, Status, check_stop
+from target_service.runner import StepRow, TargetRunner
+
+__all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposal"]
 
 log = logging.getLogger("specsplit.target")
-
-FINISH = target_pb2.FinishReason
-
-
-def checked_proposal(
-    p: draft_pb2.Proposal | None, k: int
-) -> tuple[list[int], tuple[list[int], list[float], int] | None]:
-    """A proposal's first k tokens and its sparse q, or nothing when it is malformed.
-
-    A draft is a separate service: a proposal whose top-K lists do not match its tokens, or whose
-    probabilities are not a distribution, is dropped (the request decodes plainly this step) instead
-    of failing the batch or biasing the output.
-    """
-    if p is None or not p.token_ids or k == 0:
-        return [], None
-    tokens = list(p.token_ids[:k])
-    if not p.top_k:
-        return tokens, None
-    width = p.top_k
-    ids, probs = list(p.topk_ids), list(p.topk_probs)
-    if len(ids) != len(probs) or len(ids) < len(tokens) * width:
-        log.warning(
-            "dropping a malformed draft proposal for request %d: top-K lists do not match", p.request_id
-        )
-        return [], None
-    for i, tok in enumerate(tokens):
-        row, row_ids = probs[i * width : (i + 1) * width], ids[i * width : (i + 1) * width]
-        if tok not in row_ids or not all(0.0 <= x <= 1.0 for x in row) or abs(sum(row) - 1.0) > 1e-3:
-            log.warning("dropping a malformed draft proposal for request %d: q is not a distribution "
-                        "containing the drafted token", p.request_id)  # fmt: skip
-            return [], None
-    return tokens, (ids[: len(tokens) * width], probs[: len(tokens) * width], width)
 
 
 class QueueFull(Exception):
@@ -75,39 +41,89 @@ class NotAccepting(Exception):
     pass
 
 
-@dataclass
-class Request:
-    request_id: str
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    k: int
-    stop_ids: frozenset[int]
-    detok: StreamDetokenizer
-    draft_id: int = 0
-    tokens: list[int] = field(default_factory=list)  # committed: prompt + output
-    output: list[int] = field(default_factory=list)
-    out: queue.Queue = field(default_factory=queue.Queue)  # GenerateResponse, then None
-    slot: int = -1
-    arrival: float = field(default_factory=time.perf_counter)
-    admitted: float = 0.0
-    first_token: float = 0.0
-    last_chunk: float = 0.0
-    cancelled: str = ""  # "", "client" or "abort"
-    drafted: int = 0
-    accepted: int = 0
-    steps: int = 0
-    draft_synced: int = -1  # committed length the draft knows; -1: the draft has not seen it
-    last_accepted: int = 0
+class Streamer:
+    """Detokenization, stop strings and client writes, on their own thread in step order.
 
-    @property
-    def sampling(self) -> sampling_pb2.SamplingParams:
-        return sampling_pb2.SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
-        )
+    Every item for a request passes through one queue, so its chunks and its final message keep their
+    order. A stop string found here ends the request: it is marked, and the scheduler finishes it at
+    its next step (tokens verified meanwhile are never streamed).
+    """
+
+    def __init__(self, metrics: ServiceMetrics, on_done):
+        self.metrics = metrics
+        self.on_done = on_done
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="streamer", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.q.put(None)
+        self.thread.join(timeout=30)
+
+    def tokens(self, req: Request, new: list[int], now: float) -> None:
+        self.q.put(("tokens", req, new, now))
+
+    def finish(self, req: Request, reason: int, usage: target_pb2.Usage, error: str) -> None:
+        self.q.put(("finish", req, (reason, usage, error), time.perf_counter()))
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            kind, req, payload, now = item
+            try:
+                if kind == "tokens":
+                    self._tokens(req, payload, now)
+                else:
+                    self._finish(req, *payload, now)
+            except Exception:  # a client-side failure must not stop the other streams
+                log.exception("streaming request %s failed", req.request_id)
+
+    def _tokens(self, req: Request, new: list[int], now: float) -> None:
+        if req.cancelled == "stop_string":
+            return
+        delta = req.detok.push(new)
+        if delta.token_ids or delta.text:
+            self._send(req, delta.token_ids, delta.text, now)
+        if delta.stopped:
+            req.cancelled = "stop_string"
+
+    def _finish(self, req: Request, reason: int, usage: target_pb2.Usage, error: str, now: float) -> None:
+        if req.cancelled == "stop_string" and not error:
+            reason = FINISH.FINISH_REASON_STOP_STRING
+        elif not error and reason != FINISH.FINISH_REASON_ABORTED:
+            rest = req.detok.flush()
+            if rest.token_ids or rest.text:
+                self._send(req, rest.token_ids, rest.text, now)
+        name = FINISH.Name(reason).removeprefix("FINISH_REASON_").lower()
+        self.metrics.finished(name).inc()
+        if reason != FINISH.FINISH_REASON_ABORTED or req.first_token:
+            self.metrics.e2e_latency.observe(now - req.arrival)
+        if req.first_token:
+            self.metrics.observe_tpot(now - req.first_token, req.streamed)
+        if error:
+            req.out.put(RuntimeError(error))
+        elif req.cancelled != "client":
+            usage.output_tokens = req.streamed
+            req.out.put(
+                target_pb2.GenerateResponse(request_id=req.request_id, finish_reason=reason, usage=usage)
+            )
+        req.out.put(None)
+        self.on_done(req)
+
+    def _send(self, req: Request, ids: list[int], text: str, now: float) -> None:
+        if not req.first_token:
+            req.first_token = now
+            self.metrics.ttft.observe(now - req.arrival)
+        else:
+            self.metrics.inter_token_latency.observe(now - req.last_chunk)
+        req.last_chunk = now
+        req.streamed += len(ids)
+        self.metrics.generated_tokens.inc(len(ids))
+        req.out.put(target_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text))
 
 
 class Scheduler:
@@ -124,33 +140,29 @@ class Scheduler:
         self.metrics = metrics
         self.link = link
         self.eos_ids = eos_ids
+        self.session = DraftSession(link, metrics, config.draft_timeout)
+        self.costs = StepCosts(runner.batch_buckets)
+        for (batch, width), seconds in runner.step_costs.items():
+            self.costs.observe_verify(batch, width, seconds)
+        self.policy = SpeculationPolicy(config.speculation_policy, self.costs)
         self.slots = SlotTable(config.max_batch_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
+        self.delivering = 0  # finished requests whose last message the streamer has not written yet
         self.lock = threading.Condition()
         self.accepting = True
         self.stopped = threading.Event()
-        self.step_no = 0
-        self.link_epoch = 0
-        self.draft_releases: list[int] = []
-        self._draft_ids = itertools.count(1)
-        self.verify_fn = self._pick_verify_backend()
-        self.phase_seconds = dict.fromkeys(("draft", "forward", "verify", "commit"), 0.0)
+        self.verify_backend = runner.verify_backend
+        self.streamer = Streamer(metrics, self._delivered)
+        self.phase_seconds = dict.fromkeys(("plan", "propose", "verify", "commit"), 0.0)
+        self.steps = 0
         # Labelled series exist from the start, so rate() sees their first increase.
         for pos in range(config.max_speculative_tokens):
             metrics.accepted_at_position(pos)
         for reason in ("length", "eos", "stop_token", "stop_string", "aborted"):
             metrics.finished(reason)
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
-
-    def _pick_verify_backend(self):
-        backend = self.config.verify_backend
-        if backend == "auto":
-            on_gpu = self.runner.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-            backend = "triton" if on_gpu else "torch"
-        self.verify_backend = backend
-        return verify if backend == "triton" else verify_reference
 
     # -- called from gRPC threads ------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -161,7 +173,7 @@ class Scheduler:
                 raise ValueError(f"request_id: {req.request_id!r} is already running")
             if len(self.waiting) >= self.config.max_queued_requests:
                 raise QueueFull(f"queue full: {len(self.waiting)} requests waiting")
-            req.draft_id = next(self._draft_ids)
+            self.session.register(req)
             req.tokens = list(req.prompt)
             self.by_id[req.request_id] = req
             self.waiting.append(req)
@@ -183,9 +195,10 @@ class Scheduler:
 
     def num_active(self) -> int:
         with self.lock:
-            return len(self.waiting) + len(self.running)
+            return len(self.waiting) + len(self.running) + self.delivering
 
     def start(self) -> None:
+        self.streamer.start()
         self.thread.start()
 
     def stop(self) -> None:
@@ -193,33 +206,37 @@ class Scheduler:
         with self.lock:
             self.lock.notify()
         self.thread.join(timeout=30)
+        self.streamer.stop()
 
     # -- the loop ----------------------------------------------------------------
     def _loop(self) -> None:
         while not self.stopped.is_set():
             with self.lock:
-                while not (self.waiting or self.running or self.draft_releases or self.stopped.is_set()):
+                while not (self.waiting or self.running or self.session.releases or self.stopped.is_set()):
                     self.lock.wait(timeout=0.5)
             try:
                 self._drop_cancelled()
                 self._admit()
                 if self.running:
                     self._step()
-                elif self.draft_releases:
-                    self._release_on_draft()
+                elif self.session.releases:  # nothing running: free the draft's state now
+                    self.session.ask([], 0, self.runner.max_context)
             except Exception:  # keep serving; fail the requests of this step loudly
                 log.exception("step failed; failing the running requests")
+                self.session.inflight, self.session.decided = [], set()
                 for req in list(self.running):
                     self._finish(req, FINISH.FINISH_REASON_ABORTED, error="internal error in the step")
         with self.lock:
-            for req in list(self.waiting) + list(self.running):
-                self._finish(req, FINISH.FINISH_REASON_ABORTED, error="server stopped")
+            left = list(self.waiting) + list(self.running)
+        for req in left:
+            self._finish(req, FINISH.FINISH_REASON_ABORTED, error="server stopped")
 
     def _drop_cancelled(self) -> None:
         with self.lock:
-            gone = [r for r in itertools.chain(self.waiting, self.running) if r.cancelled]
+            gone = [r for r in (*self.waiting, *self.running) if r.cancelled]
         for req in gone:
-            self._finish(req, FINISH.FINISH_REASON_ABORTED)
+            reason = FINISH.FINISH_REASON_STOP_STRING if req.cancelled == "stop_string" else None
+            self._finish(req, reason or FINISH.FINISH_REASON_ABORTED)
 
     def _admit(self) -> None:
         admitted = []
@@ -232,6 +249,7 @@ class Scheduler:
                 req = self.waiting.popleft()
                 req.slot = self.slots.alloc()
                 req.admitted = time.perf_counter()
+                req.status = Status.RUNNING
                 admitted.append(req)
             self.metrics.waiting.set(len(self.waiting))
         if not admitted:
@@ -254,250 +272,131 @@ class Scheduler:
         self.metrics.batch_size.set(len(self.running))
         self.metrics.kv_slots_used.set(self.slots.num_used)
 
-    # -- draft exchange ----------------------------------------------------------
-    def _draft_message(
-        self, batch: list[Request], want: list[Request], epoch: int
-    ) -> draft_pb2.SpeculateRequest:
-        if epoch != self.link_epoch:  # a new stream: the draft knows nothing
-            self.link_epoch = epoch
-            self.draft_releases.clear()
-            for req in batch:
-                req.draft_synced = -1
-        msg = draft_pb2.SpeculateRequest(step=self.step_no, releases=self.draft_releases)
-        self.draft_releases = []
-        for req in batch:
-            if req.draft_synced < 0:
-                msg.starts.append(
-                    draft_pb2.DraftRequestStart(
-                        request_id=req.draft_id,
-                        token_ids=req.tokens,
-                        sampling=req.sampling,
-                        num_speculative_tokens=req.k,
-                    )
-                )
-            elif req.draft_synced < len(req.tokens):
-                msg.verdicts.append(
-                    draft_pb2.Verdict(
-                        request_id=req.draft_id,
-                        start=req.draft_synced,
-                        token_ids=req.tokens[req.draft_synced :],
-                        accepted=req.last_accepted,
-                    )
-                )
-            req.draft_synced = len(req.tokens)
-        msg.propose.extend(r.draft_id for r in want)
-        return msg
-
-    def _proposals(self, batch: list[Request]) -> dict[int, draft_pb2.Proposal]:
-        """k tokens per request from the draft, or {} (plain decoding this step)."""
-        link = self.link
-        if link is None or not link.connected:
-            if link is not None and any(r.k > 0 for r in batch):
-                self.metrics.fallback_steps.inc()
-            return {}
-        max_ctx = self.runner.max_context
-        want = [r for r in batch if r.k > 0 and len(r.tokens) + r.k < max_ctx]
-        epoch = link.epoch
-        msg = self._draft_message(batch, want, epoch)
-        if not want and not (msg.starts or msg.verdicts or msg.releases):
-            return {}
-        response = link.exchange(msg, epoch, self.config.draft_timeout)
-        if response is None:
-            if want:
-                self.metrics.fallback_steps.inc()
-            if link.epoch == epoch and link.connected:
-                log.warning("draft answered step %d too late; verified it with k = 0", self.step_no)
-            return {}
-        if response.unknown_request_ids:
-            unknown = set(response.unknown_request_ids)
-            for req in batch:
-                if req.draft_id in unknown:
-                    req.draft_synced = -1  # re-sent as a start next step
-        return {p.request_id: p for p in response.proposals}
-
-    def _release_on_draft(self) -> None:
-        """Nothing is running: tell the draft to free the finished requests now, not at the next step."""
-        if self.link is None or not self.link.connected:
-            self.draft_releases.clear()
-            return
-        self.step_no += 1
-        epoch = self.link.epoch
-        msg = self._draft_message([], [], epoch)
-        if msg.releases:
-            self.link.exchange(msg, epoch, self.config.draft_timeout)
-
     # -- one step ----------------------------------------------------------------
     def _step(self) -> None:
-        self.step_no += 1
-        batch = list(self.running)
-        t_start = time.perf_counter()
-        proposals = self._proposals(batch)
-        drafts: list[list[int]] = []
-        sparse: list[tuple[list[int], list[float], int] | None] = []
-        for req in batch:
-            tokens, q = checked_proposal(proposals.get(req.draft_id), req.k)
-            drafts.append(tokens)
-            sparse.append(q)
-        width = max(len(d) for d in drafts) + 1
         t0 = time.perf_counter()
-        logits = self.runner.executor.run(
-            "verify_forward",
-            rows=[[r.tokens[-1], *d] for r, d in zip(batch, drafts)],
-            starts=[len(r.tokens) - 1 for r in batch],
-            slots=[r.slot for r in batch],
-            width=width,
-        )
-        t_forward = time.perf_counter()
-        results = self._verify(batch, drafts, sparse, logits, width)
-        now = time.perf_counter()
-        self.metrics.verify_step.observe(now - t0)
-        for b, req in enumerate(batch):
-            out_tokens, accepted = results[b]
-            self._commit(req, drafts[b], out_tokens, accepted, now)
-        self._profile(t_start, t0, t_forward, now, time.perf_counter())
+        batch = list(self.running)
+        covered = self.session.covered()
+        new = [r for r in batch if r.draft.draft_id not in covered]
+        if new:  # admitted since the last ask (or the first step): ask for them too, from their first step
+            self._ask(batch, new)
+        t1 = time.perf_counter()
+        proposals = self.session.collect(batch)  # propose
+        t2 = time.perf_counter()
+        rows, drafts = self._rows(batch, proposals)
+        width = max(len(d) for d in drafts) + 1
+        result = self.runner.step(rows, width)  # verify
+        t3 = time.perf_counter()
+        self._commit(batch, drafts, result.tokens, result.accepted)
+        t4 = time.perf_counter()
+        self._account(batch, width, result.gpu_seconds, t0, t1, t2, t3, t4)
 
-    def _profile(self, *marks: float) -> None:
-        """Mean time per step phase, logged at DEBUG every 256 steps (where a step's time goes)."""
-        for i, phase in enumerate(("draft", "forward", "verify", "commit")):
-            self.phase_seconds[phase] += marks[i + 1] - marks[i]
-        if self.step_no % 256 == 0 and log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "mean ms per step over %d steps: %s",
-                256,
-                ", ".join(f"{k} {v / 256 * 1e3:.2f}" for k, v in self.phase_seconds.items()),
-            )
-            self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)
+    def _ask(self, batch: list[Request], subset: list[Request] | None = None) -> None:
+        """Ask the draft for the policy's k (chosen for the whole batch) for `subset` (default: all)."""
+        k = self.policy.choose(batch) if self.session.attached else 0
+        self.session.ask(batch if subset is None else subset, k, self.runner.max_context)
+        if subset is None:
+            self.metrics.step_k.observe(k)
 
-    def _verify(self, batch, drafts, sparse, logits: torch.Tensor, width: int):
-        """Runs the rejection kernel per q-kind group (one-hot vs sparse top-K); [(tokens, accepted)]."""
-        device = logits.device
-        logits = logits.view(len(batch), width, -1)
-        groups: dict[int, list[int]] = {}
-        for b, sp in enumerate(sparse):
-            groups.setdefault(sp[2] if sp is not None else 0, []).append(b)
-        results: list[tuple[list[int], int]] = [([], 0)] * len(batch)
-        max_k = width - 1
-        for top_k, idx in groups.items():
-            reqs = [batch[b] for b in idx]
-            # One host tensor per input, padded in Python: no per-row tensors on the step's path.
-            draft_ids = torch.tensor([drafts[b] + [-1] * (max_k - len(drafts[b])) for b in idx],
-                                     dtype=torch.int64).view(len(idx), max_k)  # fmt: skip
-            kwargs = {}
-            if top_k:
-                pad = [0] * (max_k * top_k)
-                ids = [(sparse[b][0] + pad)[: max_k * top_k] for b in idx]
-                probs = [(sparse[b][1] + pad)[: max_k * top_k] for b in idx]
-                shape = (len(idx), max_k, top_k)
-                kwargs = {
-                    "draft_topk_ids": torch.tensor(ids, dtype=torch.int64, device=device).view(shape),
-                    "draft_topk_probs": torch.tensor(probs, dtype=torch.float32, device=device).view(shape),
-                }
-            group_logits = logits[idx] if len(idx) != len(batch) else logits
-            res: VerifyResult = self.verify_fn(
-                group_logits.reshape(len(idx) * width, -1),
-                draft_ids.to(device),
-                torch.tensor([len(drafts[b]) for b in idx], dtype=torch.int32, device=device),
-                torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=device),
-                torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=device),
-                torch.tensor([len(r.tokens) for r in reqs], dtype=torch.int64, device=device),
-                top_k=torch.tensor([r.top_k for r in reqs], dtype=torch.int32, device=device)
-                if any(r.top_k for r in reqs)
-                else None,
-                top_p=torch.tensor([r.top_p for r in reqs], dtype=torch.float32, device=device)
-                if any(r.top_p < 1.0 for r in reqs)
-                else None,
-                **kwargs,
+    def _rows(self, batch: list[Request], proposals: dict[int, Proposal]):
+        rows, drafts = [], []
+        for req in batch:
+            p = proposals.get(req.draft.draft_id) or Proposal([])
+            drafts.append(p.tokens)
+            rows.append(
+                StepRow(
+                    last_token=req.tokens[-1],
+                    drafts=p.tokens,
+                    start=len(req.tokens) - 1,
+                    slot=req.slot,
+                    temperature=req.temperature,
+                    seed=req.seed,
+                    top_k=req.top_k,
+                    top_p=req.top_p,
+                    topk_ids=p.topk_ids,
+                    topk_probs=p.topk_probs,
+                    topk_width=p.topk_width,
+                )
             )
-            # One device-to-host copy (and sync) for all three outputs.
-            packed = torch.cat([res.output_tokens, res.num_accepted[:, None], res.num_emitted[:, None]], 1)
-            for b, (*out, accepted, emitted) in zip(idx, packed.tolist()):
-                results[b] = (out[:emitted], accepted)
-        return results
+        return rows, drafts
 
     def _commit(
-        self, req: Request, drafted: list[int], out_tokens: list[int], accepted: int, now: float
+        self, batch: list[Request], drafts: list[list[int]], tokens: list[list[int]], accepted: list[int]
     ) -> None:
-        req.steps += 1
-        req.drafted += len(drafted)
-        req.accepted += accepted
-        req.last_accepted = accepted
-        if drafted:
-            self.metrics.drafts.inc()
-            self.metrics.draft_tokens.inc(len(drafted))
-            self.metrics.accepted_tokens.inc(accepted)
-            for pos in range(accepted):
-                self.metrics.accepted_at_position(pos).inc()
-        finish = FINISH.FINISH_REASON_UNSPECIFIED
-        new: list[int] = []
-        for tok in out_tokens:
-            if tok in req.stop_ids:
-                finish = FINISH.FINISH_REASON_EOS if tok in self.eos_ids else FINISH.FINISH_REASON_STOP_TOKEN
-                break
-            new.append(tok)
-            if len(req.output) + len(new) >= req.max_new_tokens:
-                finish = FINISH.FINISH_REASON_LENGTH
-                break
-        req.tokens.extend(out_tokens)  # the KV must match what the draft was told
-        req.output.extend(new)
-        self.slots.lengths[req.slot] = len(req.tokens) - 1
-        delta = req.detok.push(new)
-        if delta.stopped:
-            finish = FINISH.FINISH_REASON_STOP_STRING
-        if delta.token_ids or delta.text:
-            self._send_chunk(req, delta.token_ids, delta.text, now)
-        self.metrics.generated_tokens.inc(len(new))
-        if finish != FINISH.FINISH_REASON_UNSPECIFIED:
-            if finish != FINISH.FINISH_REASON_STOP_STRING:
-                rest = req.detok.flush()
-                if rest.token_ids or rest.text:
-                    self._send_chunk(req, rest.token_ids, rest.text, now)
+        """Stop checks on token ids, the next ask to the draft (before any streaming), then streaming."""
+        finished: list[tuple[Request, int]] = []
+        new_tokens: list[list[int]] = []
+        for req, drafted, out, acc in zip(batch, drafts, tokens, accepted):
+            req.spec.observe(len(drafted), acc)
+            req.draft.last_accepted = acc
+            if drafted:
+                self.metrics.drafts.inc()
+                self.metrics.draft_tokens.inc(len(drafted))
+                self.metrics.accepted_tokens.inc(acc)
+                for pos in range(acc):
+                    self.metrics.accepted_at_position(pos).inc()
+            new, finish = check_stop(out, req.stop_ids, self.eos_ids, req.max_new_tokens - len(req.output))
+            req.tokens.extend(out)  # the KV must match what the draft is told
+            req.output.extend(new)
+            self.slots.lengths[req.slot] = len(req.tokens) - 1
+            new_tokens.append(new)
+            if finish != FINISH.FINISH_REASON_UNSPECIFIED:
+                finished.append((req, finish))
+        done = {id(r) for r, _ in finished}
+        self._ask([r for r in batch if id(r) not in done and not r.cancelled])
+        now = time.perf_counter()
+        for req, new in zip(batch, new_tokens):
+            if new:
+                self.streamer.tokens(req, new, now)
+        for req, finish in finished:
             self._finish(req, finish)
 
-    def _send_chunk(self, req: Request, ids: list[int], text: str, now: float) -> None:
-        if not req.first_token:
-            req.first_token = now
-            self.metrics.ttft.observe(now - req.arrival)
-        else:
-            self.metrics.inter_token_latency.observe(now - req.last_chunk)
-        req.last_chunk = now
-        req.out.put(target_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text))
+    def _account(self, batch, width: int, gpu: float, *marks: float) -> None:
+        t0, t1, t2, t3, t4 = marks
+        self.costs.observe_verify(len(batch), width, t3 - t2)
+        if width > 1:
+            self.costs.observe_draft(len(batch), width - 1, self.session.last_wait)
+        self.metrics.verify_step.observe(t3 - t2)
+        if gpu:
+            self.metrics.step_gpu.observe(gpu)
+            # Wall time of the step that the GPU did not cover, without the wait for the draft.
+            self.metrics.step_host.observe(max(0.0, (t4 - t0) - (t2 - t1) - gpu))
+        self.steps += 1
+        for phase, a, b in (("plan", t0, t1), ("propose", t1, t2), ("verify", t2, t3), ("commit", t3, t4)):
+            self.phase_seconds[phase] += b - a
+        if self.steps % 256 == 0 and log.isEnabledFor(logging.DEBUG):
+            phases = ", ".join(f"{k} {v / 256 * 1e3:.2f}" for k, v in self.phase_seconds.items())
+            log.debug("mean ms per step over 256 steps: %s", phases)
+            self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)
 
     def _usage(self, req: Request) -> target_pb2.Usage:
         return target_pb2.Usage(
             prompt_tokens=len(req.prompt),
             output_tokens=len(req.output),
-            drafted_tokens=req.drafted,
-            accepted_tokens=req.accepted,
-            steps=req.steps,
+            drafted_tokens=req.spec.drafted,
+            accepted_tokens=req.spec.accepted,
+            steps=req.spec.steps,
         )
 
     def _finish(self, req: Request, reason: int, error: str = "") -> None:
         with self.lock:
+            if req.status == Status.FINISHED:
+                return
             if req in self.running:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
+            req.status = Status.FINISHED
             self.by_id.pop(req.request_id, None)
             if req.slot >= 0:
                 self.slots.free(req.slot)
                 req.slot = -1
-            if req.draft_synced >= 0:
-                self.draft_releases.append(req.draft_id)
+            self.session.release(req)
             self.metrics.waiting.set(len(self.waiting))
-        now = time.perf_counter()
-        name = FINISH.Name(reason).removeprefix("FINISH_REASON_").lower()
-        self.metrics.finished(name).inc()
-        if reason != FINISH.FINISH_REASON_ABORTED or req.first_token:
-            self.metrics.e2e_latency.observe(now - req.arrival)
-        if req.first_token:
-            self.metrics.observe_tpot(now - req.first_token, len(req.output))
-        if error:
-            req.out.put(RuntimeError(error))
-        elif req.cancelled != "client":
-            req.out.put(
-                target_pb2.GenerateResponse(
-                    request_id=req.request_id, finish_reason=reason, usage=self._usage(req)
-                )
-            )
-        req.out.put(None)
+            self.delivering += 1
+        self.streamer.finish(req, reason, self._usage(req), error)
         self._update_gauges()
+
+    def _delivered(self, req: Request) -> None:
+        with self.lock:
+            self.delivering -= 1

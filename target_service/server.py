@@ -133,6 +133,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             top_p=top_p,
             seed=s.seed if s.HasField("seed") else secrets.randbits(63),
             k=k if self.scheduler.link is not None else 0,
+            pinned_k=s.temperature > 0 and s.HasField("seed"),
             stop_ids=frozenset(stop_ids),
             detok=StreamDetokenizer(self.tokenizer, stops),
         )

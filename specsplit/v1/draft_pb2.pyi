@@ -97,6 +97,7 @@ class SpeculateRequest(_message.Message):
     RELEASES_FIELD_NUMBER: _builtins.int
     PROPOSE_FIELD_NUMBER: _builtins.int
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    PROPOSE_K_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Strictly increasing per stream; the answer carries the same number."""
     target_vocab_size: _builtins.int
@@ -113,6 +114,12 @@ class SpeculateRequest(_message.Message):
     def propose(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Requests that need proposals this step (a subset of the live ones)."""
 
+    @_builtins.property
+    def propose_k(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Parallel to `propose`: how many tokens to draft for each (at most the request's own k; 0 or
+        missing = its own k). The target's speculation policy lowers it when speculation would not pay.
+        """
+
     def __init__(
         self,
         *,
@@ -122,10 +129,11 @@ class SpeculateRequest(_message.Message):
         releases: _abc.Iterable[_builtins.int] | None = ...,
         propose: _abc.Iterable[_builtins.int] | None = ...,
         target_vocab_size: _builtins.int = ...,
+        propose_k: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["propose", b"propose", "releases", b"releases", "starts", b"starts", "step", b"step", "target_vocab_size", b"target_vocab_size", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["propose", b"propose", "propose_k", b"propose_k", "releases", b"releases", "starts", b"starts", "step", b"step", "target_vocab_size", b"target_vocab_size", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

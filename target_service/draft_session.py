@@ -1,0 +1,211 @@
+"""The target's side of the draft protocol: what the draft knows of each request, and proposals.
+
+One object owns the protocol state the scheduler must not see: the stream epoch (a new stream means the
+draft knows nothing: every request is started again), pending releases, each request's synced length,
+and the one ask in flight. A step works in two halves so the draft's round overlaps the target's host
+work: `ask` sends starts/verdicts and the list of requests to draft for, without waiting; `collect`
+waits for that answer (bounded by --draft-timeout) just before the verify forward needs it. Requests
+admitted after the ask get an ask of their own, so they are drafted for from their first step.
+
+A step that wants no proposals sends nothing and waits for nothing: verdicts stay pending (the next ask
+sends everything the draft has not seen), releases go out without waiting for an answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from common.metrics import ServiceMetrics
+from specsplit.v1 import draft_pb2
+from target_service.draft_link import DraftLink
+from target_service.request import Request
+
+log = logging.getLogger("specsplit.target")
+
+
+@dataclass
+class Proposal:
+    """A checked proposal: k draft tokens, and the sparse q when the draft sampled them."""
+
+    tokens: list[int]
+    topk_ids: list[int] | None = None  # k * topk_width ids
+    topk_probs: list[float] | None = None
+    topk_width: int = 0
+
+
+def checked_proposal(p: draft_pb2.Proposal | None, k: int) -> Proposal:
+    """A proposal's first k tokens and its sparse q; empty when it is malformed.
+
+    A draft is a separate service: a proposal whose top-K lists do not match its tokens, or whose
+    probabilities are not a distribution, is dropped (the request decodes plainly this step) instead
+    of failing the batch or biasing the output.
+    """
+    if p is None or not p.token_ids or k == 0:
+        return Proposal([])
+    tokens = list(p.token_ids[:k])
+    if not p.top_k:
+        return Proposal(tokens)
+    width = p.top_k
+    ids, probs = list(p.topk_ids), list(p.topk_probs)
+    if len(ids) != len(probs) or len(ids) < len(tokens) * width:
+        log.warning(
+            "dropping a malformed draft proposal for request %d: top-K lists do not match", p.request_id
+        )
+        return Proposal([])
+    for i, tok in enumerate(tokens):
+        row, row_ids = probs[i * width : (i + 1) * width], ids[i * width : (i + 1) * width]
+        if tok not in row_ids or not all(0.0 <= x <= 1.0 for x in row) or abs(sum(row) - 1.0) > 1e-3:
+            log.warning("dropping a malformed draft proposal for request %d: q is not a distribution "
+                        "containing the drafted token", p.request_id)  # fmt: skip
+            return Proposal([])
+    n = len(tokens) * width
+    return Proposal(tokens, ids[:n], probs[:n], width)
+
+
+@dataclass
+class Ask:
+    step: int
+    epoch: int
+    sent: float
+    ks: dict[int, int]  # draft id -> tokens asked
+
+
+class DraftSession:
+    def __init__(self, link: DraftLink | None, metrics: ServiceMetrics, timeout: float):
+        self.link = link
+        self.metrics = metrics
+        self.timeout = timeout
+        self.step_no = 0
+        self.epoch = 0
+        self.releases: list[int] = []
+        self.inflight: list[Ask] = []  # asks sent, answers not yet collected (in step order)
+        self.decided: set[int] = set()  # draft ids asked for (or decided k = 0) since the last collect
+        self._ids = itertools.count(1)
+        self.last_wait = 0.0  # seconds the last collect() blocked
+
+    @property
+    def attached(self) -> bool:
+        return self.link is not None
+
+    @property
+    def connected(self) -> bool:
+        return self.link is not None and self.link.connected
+
+    def register(self, req: Request) -> None:
+        req.draft.draft_id = next(self._ids)
+
+    def release(self, req: Request) -> None:
+        """The request left the batch: free its draft state with the next message."""
+        if req.draft.synced >= 0:
+            self.releases.append(req.draft.draft_id)
+            req.draft.synced = -1
+
+    def _new_epoch(self, epoch: int, batch: list[Request]) -> None:
+        """A new stream: the draft knows nothing (releases moot, every request starts again)."""
+        self.epoch = epoch
+        self.releases.clear()
+        for req in batch:
+            req.draft.synced = -1
+
+    def _message(self, want: list[Request], ks: dict[int, int]) -> draft_pb2.SpeculateRequest:
+        self.step_no += 1
+        msg = draft_pb2.SpeculateRequest(step=self.step_no, releases=self.releases)
+        self.releases = []
+        for req in want:
+            d = req.draft
+            if d.synced < 0:
+                msg.starts.append(
+                    draft_pb2.DraftRequestStart(
+                        request_id=d.draft_id,
+                        token_ids=req.tokens,
+                        sampling=req.sampling,
+                        num_speculative_tokens=req.k,
+                    )
+                )
+            elif d.synced < len(req.tokens):
+                msg.verdicts.append(
+                    draft_pb2.Verdict(
+                        request_id=d.draft_id,
+                        start=d.synced,
+                        token_ids=req.tokens[d.synced :],
+                        accepted=d.last_accepted,
+                    )
+                )
+            d.synced = len(req.tokens)
+        msg.propose.extend(ks)
+        msg.propose_k.extend(ks.values())
+        return msg
+
+    def ask(self, batch: list[Request], k: int, max_context: int) -> None:
+        """Ask for min(k, r.k) tokens for every request of `batch` that can take them; no waiting.
+        k = 0 with nothing to release sends nothing."""
+        link = self.link
+        self.decided.update(r.draft.draft_id for r in batch)
+        if link is None:
+            return
+        if not link.connected:
+            if k > 0 and any(r.k > 0 for r in batch):
+                self.metrics.fallback_steps.inc()
+            return
+        if link.epoch != self.epoch:
+            self._new_epoch(link.epoch, batch)
+        ks = {}
+        want = []
+        for r in batch:
+            # A seeded sampled request keeps its own k: its output then depends on its seed alone, not
+            # on the batch it shares (the policy's k does; greedy output never depends on k).
+            n = r.k if r.pinned_k else min(k, r.k)
+            if n > 0 and len(r.tokens) + n < max_context:
+                want.append(r)
+                ks[r.draft.draft_id] = n
+        if not want:
+            if self.releases:  # bookkeeping only: sent without waiting (its answer is dropped)
+                link.send(self._message([], {}), self.epoch)
+            return
+        msg = self._message(want, ks)
+        if link.send(msg, self.epoch):
+            self.inflight.append(Ask(msg.step, self.epoch, time.perf_counter(), ks))
+        else:
+            self.metrics.fallback_steps.inc()
+
+    def covered(self) -> set[int]:
+        """Draft ids asked for (or decided k = 0) since the last collect: the others still need an ask."""
+        return self.decided
+
+    def collect(self, batch: list[Request]) -> dict[int, Proposal]:
+        """The proposals of every ask in flight, by draft id ({} where none was asked or it came too late)."""
+        asks, self.inflight = self.inflight, []
+        self.decided = set()
+        self.last_wait = 0.0
+        out: dict[int, Proposal] = {}
+        if self.link is None:
+            return out
+        t0 = time.perf_counter()
+        for ask in asks:
+            out.update(self._collect(ask, batch))
+        self.last_wait = time.perf_counter() - t0
+        return out
+
+    def _collect(self, ask: Ask, batch: list[Request]) -> dict[int, Proposal]:
+        assert self.link is not None
+        response = self.link.receive(ask.step, ask.epoch, ask.sent + self.timeout)
+        now = time.perf_counter()
+        if response is None:
+            self.metrics.fallback_steps.inc()
+            if self.link.connected and self.link.epoch == ask.epoch:
+                log.warning("draft answered step %d too late; verified it with k = 0", ask.step)
+            return {}
+        self.metrics.round_trip.observe(now - ask.sent)
+        if response.unknown_request_ids:
+            unknown = set(response.unknown_request_ids)
+            for req in batch:
+                if req.draft.draft_id in unknown:
+                    req.draft.synced = -1  # started again with the next ask
+        return {
+            p.request_id: checked_proposal(p, ask.ks.get(p.request_id, 0))
+            for p in response.proposals
+            if p.request_id in ask.ks
+        }

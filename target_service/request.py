@@ -1,0 +1,104 @@
+"""A request as the target's scheduler sees it, and the pure stop check of its new tokens."""
+
+from __future__ import annotations
+
+import enum
+import queue
+import time
+from dataclasses import dataclass, field
+
+from specsplit.v1 import sampling_pb2, target_pb2
+from target_service.detok import StreamDetokenizer
+
+FINISH = target_pb2.FinishReason
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class DraftSync:
+    """What the draft service knows of this request (per draft stream epoch)."""
+
+    draft_id: int = 0
+    synced: int = -1  # committed length the draft knows; -1: the draft has not seen the request
+    last_accepted: int = 0
+
+
+@dataclass
+class SpecStats:
+    """Speculation counters of one request, and its running per-token acceptance for the policy."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    # Per-token acceptance as successes / trials with decay: each accepted draft token is a success,
+    # the first rejected one a failure (later positions are not observed).
+    successes: float = 0.0
+    trials: float = 0.0
+
+    def observe(self, drafted: int, accepted: int, decay: float = 0.98) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted:
+            self.successes = decay * self.successes + accepted
+            self.trials = decay * self.trials + accepted + (1 if accepted < drafted else 0)
+
+    def alpha(self, prior: float) -> float:
+        """Per-token acceptance estimate, pulled towards `prior` while few tokens were seen."""
+        return (self.successes + 2.0 * prior) / (self.trials + 2.0)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    k: int  # the most draft tokens per step this request accepts (the policy may ask fewer)
+    stop_ids: frozenset[int]
+    detok: StreamDetokenizer
+    pinned_k: bool = False  # sampled with a client's seed: always k drafts, so the output is reproducible
+    status: Status = Status.WAITING
+    tokens: list[int] = field(default_factory=list)  # committed: prompt + output
+    output: list[int] = field(default_factory=list)
+    out: queue.Queue = field(default_factory=queue.Queue)  # GenerateResponse, an Exception, then None
+    slot: int = -1
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted: float = 0.0
+    first_token: float = 0.0
+    last_chunk: float = 0.0
+    cancelled: str = ""  # "", "client", "abort" or "stop_string" (found by the streamer)
+    streamed: int = 0  # output tokens sent to the client (the usage count)
+    draft: DraftSync = field(default_factory=DraftSync)
+    spec: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def sampling(self) -> sampling_pb2.SamplingParams:
+        return sampling_pb2.SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
+        )
+
+
+def check_stop(
+    out_tokens: list[int], stop_ids: frozenset[int], eos_ids: frozenset[int], room: int
+) -> tuple[list[int], int]:
+    """New output tokens up to the first stop, and the finish reason (UNSPECIFIED: keep going).
+
+    `room` is how many more tokens max_new_tokens allows. A stop token is not part of the output.
+    """
+    new: list[int] = []
+    for tok in out_tokens:
+        if tok in stop_ids:
+            return new, FINISH.FINISH_REASON_EOS if tok in eos_ids else FINISH.FINISH_REASON_STOP_TOKEN
+        new.append(tok)
+        if len(new) >= room:
+            return new, FINISH.FINISH_REASON_LENGTH
+    return new, FINISH.FINISH_REASON_UNSPECIFIED

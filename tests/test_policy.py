@@ -1,0 +1,98 @@
+"""The speculation policy on measured costs: k rises where the verify is memory-bound and acceptance is
+high, falls to 0 where a wide verify costs more than the tokens it adds; probing keeps estimates fresh."""
+
+from __future__ import annotations
+
+import pytest
+
+from target_service.detok import StreamDetokenizer
+from target_service.policy import SpeculationPolicy, StepCosts, expected_tokens
+from target_service.request import Request, check_stop
+
+BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def reqs(n: int, k: int = 4, alpha: float | None = None, trials: int = 200) -> list[Request]:
+    out = []
+    for i in range(n):
+        r = Request(str(i), [1], 8, 0.0, 0, 1.0, 0, k, frozenset(), StreamDetokenizer(None))
+        if alpha is not None:  # a long history at this per-token acceptance
+            r.spec.successes, r.spec.trials = alpha * trials, float(trials)
+        out.append(r)
+    return out
+
+
+def costs(batch: int, per_width: dict[int, float], draft: float = 0.0, k: int = 4) -> StepCosts:
+    c = StepCosts(BUCKETS)
+    for width, seconds in per_width.items():
+        c.observe_verify(batch, width, seconds)
+    c.observe_draft(batch, k, draft)
+    return c
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(0.9, 0) == 1.0
+
+
+def test_memory_bound_batch_speculates_fully():
+    # B=1: width 5 costs 10% more than width 1; alpha 0.8 -> E = 3.36 tokens per step.
+    c = costs(1, {1: 1.0e-3, 2: 1.02e-3, 3: 1.04e-3, 4: 1.07e-3, 5: 1.1e-3}, draft=0.3e-3)
+    assert SpeculationPolicy("adaptive", c).choose(reqs(1, alpha=0.8)) == 4
+
+
+def test_compute_bound_batch_stops_speculating():
+    # B=64: each extra position costs a full plain step; alpha 0.3 never pays that back.
+    c = costs(64, {w: 5e-3 * w for w in range(1, 6)}, draft=2e-3)
+    policy = SpeculationPolicy("adaptive", c, probe_every=1000)
+    assert policy.choose(reqs(64, alpha=0.3)) == 0
+
+
+def test_intermediate_k_and_fixed_mode():
+    # Positions 1-2 nearly free, 3-4 expensive: the best k is 2 at alpha 0.7.
+    c = costs(16, {1: 1e-3, 2: 1.05e-3, 3: 1.1e-3, 4: 2.5e-3, 5: 4e-3}, draft=0.2e-3)
+    batch = reqs(16, alpha=0.7)
+    assert SpeculationPolicy("adaptive", c).choose(batch) == 2
+    assert SpeculationPolicy("fixed", c).choose(batch) == 4  # fixed: each request's own k
+
+
+def test_probe_when_plain_wins():
+    c = costs(64, {w: 5e-3 * w for w in range(1, 6)})
+    policy = SpeculationPolicy("adaptive", c, probe_every=4)
+    chosen = [policy.choose(reqs(64, alpha=0.2)) for _ in range(8)]
+    assert chosen == [0, 0, 0, 4, 0, 0, 0, 4]
+
+
+def test_unmeasured_batch_measures_plain_then_speculates():
+    c = StepCosts(BUCKETS)
+    policy = SpeculationPolicy("adaptive", c)
+    assert policy.choose(reqs(3)) == 0  # nothing known at this batch: a plain step first
+    c.observe_verify(3, 1, 1e-3)
+    assert policy.choose(reqs(3)) == 4  # wider steps assumed as cheap until measured: try the widest
+
+
+def test_acceptance_estimate_tracks_verdicts():
+    r = reqs(1)[0]
+    prior = r.spec.alpha(0.7)
+    for _ in range(30):
+        r.spec.observe(drafted=4, accepted=0)
+    assert r.spec.alpha(0.7) < 0.1 < prior
+    for _ in range(60):
+        r.spec.observe(drafted=4, accepted=4)
+    assert r.spec.alpha(0.7) > 0.9
+    assert (r.spec.drafted, r.spec.accepted, r.spec.steps) == (360, 240, 90)
+
+
+def test_bad_policy_name():
+    with pytest.raises(ValueError, match="--speculation-policy"):
+        SpeculationPolicy("greedy", StepCosts(BUCKETS))
+
+
+def test_check_stop():
+    eos = frozenset({2})
+    assert check_stop([5, 6, 7], frozenset({2, 9}), eos, 10) == ([5, 6, 7], 0)
+    assert check_stop([5, 2, 7], frozenset({2}), eos, 10)[1] == 2  # EOS
+    assert check_stop([5, 9, 7], frozenset({2, 9}), eos, 10) == ([5], 3)  # a stop token
+    assert check_stop([5, 6, 7], frozenset(), eos, 2) == ([5, 6], 1)  # length
