@@ -79,17 +79,27 @@ def build_draft(
     return draft
 
 
+def _checkpoint_parts(name: str, param: nn.Parameter) -> list:
+    """(checkpoint name, tensor with .data and .shard) pairs: merged qkv / gate_up parameters split back
+    into the checkpoint's own q/k/v and gate/up tensors, where the model merges them."""
+    try:
+        from common.layers.shard import checkpoint_parts
+    except ImportError:  # a model without merged parameters
+        return [(name, param)]
+    return checkpoint_parts(name, param)
+
+
 def own_tensors(model: nn.Module, include_shared: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The draft's tensors to write: checkpoint shapes (vocab padding cut off), in `dtype`."""
+    """The draft's tensors to write, by checkpoint name and shape (vocab padding cut off), in `dtype`."""
     out = {}
-    for name, param in model.named_parameters():
-        if is_shared(name) and not include_shared:
-            continue
-        full = param.shard.full_shape
-        t = param.detach()
-        if param.shard.dim is not None and t.shape[param.shard.dim] != full[param.shard.dim]:
-            t = t.narrow(param.shard.dim, 0, full[param.shard.dim])
-        out[name] = t.to(dtype if t.is_floating_point() else t.dtype).contiguous().cpu()
+    for param_name, param in model.named_parameters():
+        for name, part in _checkpoint_parts(param_name, param):
+            if is_shared(name) and not include_shared:
+                continue
+            spec, t = part.shard, part.data.detach()
+            if spec.dim is not None and t.shape[spec.dim] != spec.full_shape[spec.dim]:
+                t = t.narrow(spec.dim, 0, spec.full_shape[spec.dim])
+            out[name] = t.to(dtype if t.is_floating_point() else t.dtype).contiguous().cpu()
     return out
 
 

@@ -28,6 +28,7 @@ import torch
 
 from common.config import DTYPES
 from common.distributed import Comm
+from common.kernels import fused
 from common.kv_cache import KVCache
 from common.loader import load_model, load_tokenizer
 from common.models.transformer import Transformer
@@ -194,6 +195,8 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline) -> i
     # fp32 weights and activations (TF32 matmuls on GPUs): the model's KV-cache writes need one dtype,
     # which autocast's mixed bf16 / fp32 outputs break, and a 2-layer draft is cheap either way.
     torch.set_float32_matmul_precision("high")
+    # Autograd needs the torch reference path: the fused Triton kernels of the GPU forward have no backward.
+    fused.ENABLED = False
     bar = progress(args.steps, step, "train") if step < args.steps else None
 
     def save() -> None:
