@@ -60,11 +60,15 @@ def shape_drafts(args) -> dict[str, tuple[Transformer, bool]]:
 
 
 def measure_acceptance(args, target, drafts) -> dict:
-    tokenizer = load_tokenizer(args.target)
-    chat = bool(getattr(tokenizer, "chat_template", None)) and not args.no_chat
-    texts = builtin_prompts.held_out_prompts()[: args.eval_prompts]
-    prompts = prompt_ids(tokenizer, texts, chat)
-    answers = target_texts(target, prompts, args.max_new_tokens, eos_ids(tokenizer, target))
+    if args.answers:  # the target's answers computed before (e.g. where the target could not go)
+        given = json.loads(args.answers.read_text())
+        prompts, answers = given["prompts"], given["answers"]
+    else:
+        tokenizer = load_tokenizer(args.target)
+        chat = bool(getattr(tokenizer, "chat_template", None)) and not args.no_chat
+        texts = builtin_prompts.held_out_prompts()[: args.eval_prompts]
+        prompts = prompt_ids(tokenizer, texts, chat)
+        answers = target_texts(target, prompts, args.max_new_tokens, eos_ids(tokenizer, target))
     out = {"prompts": len(prompts), "answer_tokens": sum(map(len, answers)), "drafts": {}}
     for name, (model, use_markov) in drafts.items():
         matches = match_flags(model, prompts, answers, use_markov)
@@ -90,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--no-chat", action="store_true")
+    ap.add_argument(
+        "--answers",
+        type=Path,
+        default=None,
+        help='JSON {"prompts": [[ids]], "answers": [[ids]]} instead of generating them',
+    )
     ap.add_argument("--step-time", action="store_true", help="also time one draft step per draft")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--shape-only", type=Path, default=None, help="config.json: time random drafts only")

