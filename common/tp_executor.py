@@ -1,14 +1,16 @@
 """Running one service's model on a tensor-parallel group.
 
 Rank 0 owns the gRPC server and the scheduler. For every step it broadcasts a
-small command (name + host-side inputs) to the other ranks, then all ranks run
-the same handler, so every collective inside the model lines up. Ranks come
+small command (handler + host-side inputs, packed into one int64 tensor) to the
+other ranks, then all ranks run the same handler, so every collective inside the
+model lines up. Ranks come
 either from `torchrun` (RANK / WORLD_SIZE / MASTER_ADDR in the environment) or
 from the service spawning its own worker processes.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import multiprocessing as mp
 import os
@@ -18,6 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.distributed import Comm, init_tp
@@ -32,7 +35,6 @@ NO_MULTICAST_ENV = {
 }
 
 Handler = Callable[..., Any]
-SHUTDOWN = "__shutdown__"
 
 
 def _free_port() -> int:
@@ -48,27 +50,156 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device(device)
 
 
+# A step command travels as one fixed-size int64 message: a header and the packed inputs. Only inputs
+# past the capacity (a long prefill) need a second broadcast, and only values the codec cannot pack
+# (rare control calls) fall back to a pickled object.
+_HEADER = 3  # kind, handler index, payload length
+_CAPACITY = 1024
+_KIND_SHUTDOWN, _KIND_PACKED, _KIND_PICKLED = 0, 1, 2
+_INT, _FLOAT, _INTS, _FLOATS, _ROWS = range(5)  # value tags of the codec
+
+
+def encode_inputs(values: list[Any]) -> np.ndarray | None:
+    """Packs ints, floats, lists of either and lists of int lists into int64; None if any value is else.
+
+    Floats travel as the bits of their float64, so they come back exactly.
+    """
+    out: list[int] = []
+    floats: list[tuple[int, list[float]]] = []  # (offset, values) filled in after the int pass
+    for v in values:
+        if type(v) is int:
+            out += (_INT, v)
+        elif type(v) is float:
+            floats.append((len(out) + 1, [v]))
+            out += (_FLOAT, 0)
+        elif type(v) is list and all(type(x) is int for x in v):
+            out += (_INTS, len(v), *v)
+        elif type(v) is list and all(type(x) is float for x in v):
+            floats.append((len(out) + 2, v))
+            out += (_FLOATS, len(v), *([0] * len(v)))
+        elif type(v) is list and all(type(r) is list and all(type(x) is int for x in r) for r in v):
+            out += (_ROWS, len(v), *(len(r) for r in v))
+            for r in v:
+                out += r
+        else:
+            return None
+    arr = np.array(out, dtype=np.int64)
+    for offset, vals in floats:
+        arr[offset : offset + len(vals)] = np.array(vals, dtype=np.float64).view(np.int64)
+    return arr
+
+
+def decode_inputs(arr: np.ndarray, count: int) -> list[Any]:
+    """The inverse of `encode_inputs` for `count` values."""
+    values: list[Any] = []
+    i = 0
+    for _ in range(count):
+        tag = int(arr[i])
+        if tag == _INT:
+            values.append(int(arr[i + 1]))
+            i += 2
+        elif tag == _FLOAT:
+            values.append(float(arr[i + 1 : i + 2].view(np.float64)[0]))
+            i += 2
+        elif tag in (_INTS, _FLOATS):
+            n = int(arr[i + 1])
+            chunk = arr[i + 2 : i + 2 + n]
+            values.append((chunk.view(np.float64) if tag == _FLOATS else chunk).tolist())
+            i += 2 + n
+        elif tag == _ROWS:
+            n = int(arr[i + 1])
+            lens = arr[i + 2 : i + 2 + n].tolist()
+            i += 2 + n
+            rows = []
+            for length in lens:
+                rows.append(arr[i : i + length].tolist())
+                i += length
+            values.append(rows)
+        else:
+            raise ValueError(f"step message: unknown value tag {tag} at {i}")
+    return values
+
+
 class TPExecutor:
-    """Rank 0 calls `run(name, **inputs)`; other ranks sit in `serve_forever()`."""
+    """Rank 0 calls `run(name, **inputs)`; other ranks sit in `serve_forever()`.
+
+    Per step rank 0 broadcasts one [_HEADER + _CAPACITY] int64 tensor (on the GPU for NCCL): no pickling,
+    no length round trip, and rank 0 never waits for the GPU to send it.
+    """
 
     def __init__(self, comm: Comm, handlers: dict[str, Handler]):
         self.comm = comm
         self.handlers = handlers
+        self.names = list(handlers)
+        # Handler parameters in signature order: the packed message carries values only.
+        self.params = {n: list(inspect.signature(h).parameters) for n, h in handlers.items()}
+        self._message = torch.zeros(_HEADER + _CAPACITY, dtype=torch.int64, device=comm.device)
+        pinned = comm.device.type == "cuda"
+        # Rank 0 stages messages in a small ring of pinned buffers; an event per buffer says when its
+        # last host-to-device copy finished, so a buffer is never rewritten while being read.
+        self._staging = [
+            torch.zeros(_HEADER + _CAPACITY, dtype=torch.int64, pin_memory=pinned) for _ in range(4)
+        ]
+        self._staged = [torch.cuda.Event() if pinned else None for _ in self._staging]
+        self._next = 0
 
     def run(self, name: str, **inputs: Any) -> Any:
         if self.comm.world_size > 1:
-            self.comm.broadcast_object((name, inputs), src=0, site="step_broadcast")
+            params = self.params[name]
+            payload = encode_inputs([inputs[p] for p in params]) if set(inputs) == set(params) else None
+            if payload is None:
+                self._send(_KIND_PICKLED, self.names.index(name))
+                self.comm.broadcast_object(inputs, src=0, site="step_broadcast")
+            else:
+                self._send(_KIND_PACKED, self.names.index(name), payload)
         return self.handlers[name](**inputs)
 
     def shutdown(self) -> None:
         if self.comm.world_size > 1:
-            self.comm.broadcast_object((SHUTDOWN, {}), src=0, site="step_broadcast")
+            self._send(_KIND_SHUTDOWN, 0)
+
+    def _send(self, kind: int, handler: int, payload: np.ndarray | None = None) -> None:
+        n = 0 if payload is None else len(payload)
+        head = min(n, _CAPACITY)
+        buf = self._staging[self._next]
+        event = self._staged[self._next]
+        if event is not None:
+            event.synchronize()  # normally long done: the copy was issued 4 steps ago
+        host = buf.numpy()
+        host[:_HEADER] = (kind, handler, n)
+        if head:
+            host[_HEADER : _HEADER + head] = payload[:head]
+        self._message.copy_(buf, non_blocking=True)
+        if event is not None:
+            event.record()
+        self._next = (self._next + 1) % len(self._staging)
+        self.comm.broadcast(self._message, 0, "step_broadcast")
+        if n > _CAPACITY:  # the rest of a long prefill
+            rest = torch.from_numpy(payload[_CAPACITY:]).to(self.comm.device)
+            self.comm.broadcast(rest, 0, "step_broadcast")
+
+    def _receive(self) -> tuple[int, int, np.ndarray]:
+        self.comm.broadcast(self._message, 0, "step_broadcast")
+        host = self._message.cpu().numpy()
+        kind, handler, n = (int(x) for x in host[:_HEADER])
+        payload = host[_HEADER : _HEADER + min(n, _CAPACITY)]
+        if n > _CAPACITY:
+            rest = torch.empty(n - _CAPACITY, dtype=torch.int64, device=self.comm.device)
+            self.comm.broadcast(rest, 0, "step_broadcast")
+            payload = np.concatenate([payload, rest.cpu().numpy()])
+        return kind, handler, payload
 
     def serve_forever(self) -> None:
         while True:
-            name, inputs = self.comm.broadcast_object(None, src=0, site="step_broadcast")
-            if name == SHUTDOWN:
+            kind, handler, payload = self._receive()
+            if kind == _KIND_SHUTDOWN:
                 return
+            name = self.names[handler]
+            if kind == _KIND_PICKLED:
+                inputs = self.comm.broadcast_object(None, src=0, site="step_broadcast")
+            else:
+                params = self.params[name]
+                inputs = dict(zip(params, decode_inputs(payload, len(params))))
             self.handlers[name](**inputs)
 
 

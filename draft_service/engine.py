@@ -18,8 +18,9 @@ import torch
 
 from common.batch import pack
 from common.config import DTYPES
-from common.cuda_graphs import buckets
-from common.distributed import Comm, add_comm_stats, comm_stats
+from common.cuda_graphs import buckets, capture, warm_eager_shapes
+from common.distributed import Comm, add_comm_stats
+from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
 from common.kv_cache import KVCache, SlotTable
 from common.loader import load_model
@@ -62,7 +63,8 @@ class DraftRunner:
         # Every round the default k produces (k + 1 for draft-ahead), catch-up of 1 or 2 tokens. Sampled
         # drafting never replays a greedy round: it only needs the eager warm-up round.
         ks = range(1, config.num_speculative_tokens + 2)
-        self.graphs = self.rounds.warm_up(ks, (1, 2), capture=config.draft_sampling == "greedy")
+        self.graphs = self.rounds.warm_up(ks, (1, 2), capture_graphs=config.draft_sampling == "greedy")
+        warm_eager_shapes(self.model, self.cache, config.max_batch_size)  # catch-ups and starts
 
     def pick_greedy(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """hidden [B, H], prev [B] (the token just fed, for the Markov bias) -> greedy draft-vocab ids [B]."""
@@ -82,13 +84,9 @@ class DraftRunner:
         temperature: torch.Tensor,
         seeds: torch.Tensor,
         positions: torch.Tensor,
-        sampled_rows: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """hidden [B, H], prev [B] (the token just fed, for the Markov bias) -> draft-vocab ids [B]."""
-        if not sampled_rows:
-            if self.config.use_local_argmax_reduction:
-                return self.model.get_top_tokens(hidden, prev), None, None
-            return self.model.compute_logits(hidden, prev).argmax(dim=-1), None, None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [B, H], prev [B] (the token just fed, for the Markov bias) -> sampled draft-vocab ids [B]
+        (greedy rows: the argmax) and each row's top-K ids and probabilities (its q)."""
         logits = self.model.compute_logits(hidden, prev)
         greedy = temperature <= 0
         token, ids, probs = sample_draft_topk(
@@ -115,6 +113,11 @@ class DraftRunner:
         sampled_rows = self.config.draft_sampling == "sampled" and any(t > 0 for t in temperatures)
         if not sampled_rows:
             return RoundOutput(self.rounds.run(rows, starts, slots, k))
+        with eager_shapes():
+            return self._sampled_round(rows, starts, slots, k, temperatures, seeds)
+
+    def _sampled_round(self, rows, starts, slots, k, temperatures, seeds) -> RoundOutput:
+        """Sampled drafting: eager, one position at a time (each position samples from the draft's top-K)."""
         batch = pack(rows, starts, slots, self.device, self.max_len)
         hidden = self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
         rows_idx = torch.arange(len(rows), device=self.device)
@@ -124,7 +127,7 @@ class DraftRunner:
         temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)
         seed_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)
         drafted, all_ids, all_probs = [], [], []
-        draft_ids, ids, probs = self._pick(hidden, prev, temperature, seed_t, positions, sampled_rows)
+        draft_ids, ids, probs = self._pick(hidden, prev, temperature, seed_t, positions)
         for j in range(k):
             token = self.model.map_to_target(draft_ids)
             drafted.append(token)
@@ -135,7 +138,7 @@ class DraftRunner:
                 break
             ctx = min(self.max_len, batch.ctx_len + j + 1)
             hidden = self.model(token[:, None], positions[:, None], batch.slots, self.cache, ctx)[:, 0]
-            draft_ids, ids, probs = self._pick(hidden, token, temperature, seed_t, positions + 1, True)
+            draft_ids, ids, probs = self._pick(hidden, token, temperature, seed_t, positions + 1)
             positions = positions + 1
         tokens = torch.stack(drafted, dim=1).tolist()
         if not all_ids:
@@ -204,29 +207,14 @@ class GreedyRounds:
 
     def _capture(self, batch: int, width: int, k: int, ctx: int):
         static = self._static(batch, width)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self.round(static, k, ctx)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        before = comm_stats()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.round(static, k, ctx)
-        after = comm_stats()
-        per_replay = {
-            key: (c - before.get(key, (0, 0))[0], b - before.get(key, (0, 0))[1])
-            for key, (c, b) in after.items()
-            if (c, b) != before.get(key, (0, 0))
-        }
-        return graph, out, per_replay
+        return capture(lambda: self.round(static, k, ctx), self.device, self.pool)
 
     @torch.inference_mode()
-    def warm_up(self, ks, widths, capture: bool) -> int:
+    def warm_up(self, ks, widths, capture_graphs: bool) -> int:
         """One eager round on the scratch slot (kernels warm, every collective site counted once, so its
         metric series exist); on the GPU, captures every (batch bucket, width, k, context bucket)."""
         self.round(self._static(1, 1), 1, self.ctx_buckets[0])
-        if not (self.use_graphs and capture):
+        if not (self.use_graphs and capture_graphs):
             return 0
         for ctx in self.ctx_buckets:
             for batch in self.batch_buckets:
@@ -245,7 +233,8 @@ class GreedyRounds:
             early = [(row[:-1], s, slot) for row, s, slot in zip(rows, starts, slots) if len(row) > 1]
             batch = pack([e[0] for e in early], [e[1] for e in early], [e[2] for e in early], self.device,
                          r.max_len)  # fmt: skip
-            r.model(batch.input_ids, batch.positions, batch.slots, r.cache, batch.ctx_len)
+            with eager_shapes():
+                r.model(batch.input_ids, batch.positions, batch.slots, r.cache, batch.ctx_len)
             starts = [s + len(row) - 1 for row, s in zip(rows, starts)]
             rows = [row[-1:] for row in rows]
         n = len(rows)

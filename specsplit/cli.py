@@ -1,5 +1,9 @@
 """`specsplit` command line: generate / info / health against a running target service, and dispatch to
-the tools that live in other packages (make-tiny-model, serve-draft, serve-target, demo)."""
+the tools that live in other packages (make-tiny-model, serve-draft, serve-target, demo).
+
+The target address is `--target`, else `$SPECSPLIT_TARGET`, else localhost:50051 (the target service's
+default port). Each class of failure has its own exit code (EXIT_CODES, documented in docs/sdk.md).
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,22 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from specsplit._channel import TLSConfig
+import grpc
+
+from specsplit import __version__
+from specsplit._channel import TARGET_SERVICE, TLSConfig, auth_metadata, sync_channel
 from specsplit.client import Client, Delta, GenerateOptions, GenerateResult, ResultBuilder
-from specsplit.errors import APIError, SpecSplitError, UnavailableError
+from specsplit.errors import (
+    APIError,
+    AuthenticationError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    OverloadedError,
+    RequestCancelledError,
+    SpecSplitError,
+    UnavailableError,
+)
+from specsplit.v1 import draft_pb2
 
 # Subcommands owned by other packages: imported only when asked for (they pull in torch).
 DISPATCH = {
@@ -26,13 +43,50 @@ DISPATCH = {
     "demo": ("specsplit.demo", "run both services on CPU with tiny models and stream a generation"),
 }
 
-EXIT_ERROR = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+DEFAULT_TARGET = "localhost:50051"
+TARGET_ENV = "SPECSPLIT_TARGET"
+DRAFT_INFO_METHOD = "/specsplit.v1.DraftService/GetDraftInfo"
+
+EXIT_OK = 0
+EXIT_ERROR = 1  # any other failure (an unexpected gRPC status, an unreadable file)
+EXIT_USAGE = 2  # a bad flag
+EXIT_UNAVAILABLE = 3  # unreachable, not ready, draining; `health`: not SERVING
+EXIT_INVALID_REQUEST = 4  # the server refused an argument (INVALID_ARGUMENT)
+EXIT_DEADLINE = 5  # --timeout passed
+EXIT_OVERLOADED = 6  # the server's queue is full (RESOURCE_EXHAUSTED)
+EXIT_AUTH = 7  # missing or wrong token, or certificate (UNAUTHENTICATED, PERMISSION_DENIED)
+EXIT_CANCELLED = 8  # the request was cancelled on the server
+EXIT_WRONG_SERVICE = 9  # the address serves something else than the target service (e.g. the draft)
+EXIT_INTERRUPTED = 130  # Ctrl-C
+
+# Most specific class first: an InvalidRequestError is also an APIError.
+EXIT_CODES: list[tuple[type[SpecSplitError], int]] = [
+    (UnavailableError, EXIT_UNAVAILABLE),
+    (InvalidRequestError, EXIT_INVALID_REQUEST),
+    (DeadlineExceededError, EXIT_DEADLINE),
+    (OverloadedError, EXIT_OVERLOADED),
+    (AuthenticationError, EXIT_AUTH),
+    (RequestCancelledError, EXIT_CANCELLED),
+]
+
+
+class WrongServiceError(SpecSplitError):
+    """The address answers, but not as a specsplit target service."""
+
+
+def exit_code_of(error: SpecSplitError) -> int:
+    if isinstance(error, WrongServiceError):
+        return EXIT_WRONG_SERVICE
+    return next((code for cls, code in EXIT_CODES if isinstance(error, cls)), EXIT_ERROR)
 
 
 def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="HOST:PORT or dns:///NAME:PORT of the target service")
+    parser.add_argument(
+        "--target",
+        default=os.environ.get(TARGET_ENV) or DEFAULT_TARGET,
+        help=f"HOST:PORT or dns:///NAME:PORT of the target service (default: ${TARGET_ENV}, "
+        f"else {DEFAULT_TARGET})",
+    )
     parser.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     parser.add_argument("--tls", action="store_true", help="use TLS (system roots unless --ca-cert)")
     parser.add_argument("--ca-cert", help="PEM CA certificate of the server (implies --tls)")
@@ -59,11 +113,25 @@ def _add_generate_flags(parser: argparse.ArgumentParser, prompt_flags: bool = Tr
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the server's")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--request-id", default=None)
-    parser.add_argument("--json", action="store_true", help="print one JSON object at the end, no stream")
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="log-probability of each token plus the N most likely alternatives (0: the token's only)",
+    )
+
+
+def _add_json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object on stdout (errors too), no stream"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specsplit", description=__doc__)
+    parser = argparse.ArgumentParser(prog="specsplit", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = sub.add_parser("generate", help="stream a generation to the terminal")
     _add_connection_flags(generate)
@@ -80,10 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_flags(chat, prompt_flags=False)
     info = sub.add_parser("info", help="print the served models and limits")
     _add_connection_flags(info)
-    info.add_argument("--json", action="store_true")
     health = sub.add_parser("health", help="grpc.health.v1 status; exit 0 only when SERVING")
     _add_connection_flags(health)
-    health.add_argument("--service", default="specsplit.v1.TargetService", help='"" for the whole server')
+    health.add_argument("--service", default=TARGET_SERVICE, help='"" for the whole server')
+    for command in (generate, info, health):
+        _add_json_flag(command)
     for name, (_, help_text) in DISPATCH.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser
@@ -100,15 +169,48 @@ def parse_ids(flag: str, text: str) -> list[int]:
         raise UsageError(f"{flag}: expected integers separated by commas or spaces, got {text!r}") from None
 
 
-def _client(args: argparse.Namespace) -> Client:
-    tls: TLSConfig | None = None
+def _tls(args: argparse.Namespace) -> TLSConfig | None:
     if args.tls or args.ca_cert or args.client_cert or args.client_key:
-        tls = TLSConfig.from_files(args.ca_cert, args.client_cert, args.client_key, args.server_name)
-    token = os.environ.get("SPECSPLIT_AUTH_TOKEN")
+        return TLSConfig.from_files(args.ca_cert, args.client_cert, args.client_key, args.server_name)
+    return None
+
+
+def _token(args: argparse.Namespace) -> str | None:
     if args.auth_token_file:
         with open(args.auth_token_file) as f:
-            token = f.read().strip()
-    return Client(args.target, timeout=args.timeout, tls=tls, auth_token=token)
+            return f.read().strip()
+    return os.environ.get("SPECSPLIT_AUTH_TOKEN")
+
+
+def _client(args: argparse.Namespace) -> Client:
+    return Client(args.target, timeout=args.timeout, tls=_tls(args), auth_token=_token(args))
+
+
+def serves_draft(args: argparse.Namespace) -> bool:
+    """Whether the address answers the draft service's GetDraftInfo (a common mistake: the draft's port)."""
+    channel = sync_channel(args.target, None, _tls(args), ())
+    try:
+        probe = channel.unary_unary(
+            DRAFT_INFO_METHOD,
+            request_serializer=draft_pb2.GetDraftInfoRequest.SerializeToString,
+            response_deserializer=draft_pb2.GetDraftInfoResponse.FromString,
+        )
+        probe(draft_pb2.GetDraftInfoRequest(), timeout=5, metadata=auth_metadata(_token(args)))
+        return True
+    except grpc.RpcError:
+        return False
+    finally:
+        channel.close()
+
+
+def _wrong_service(args: argparse.Namespace, error: APIError) -> SpecSplitError:
+    """UNIMPLEMENTED (or NOT_FOUND from a health check): name the mistake when it is the draft's address."""
+    if serves_draft(args):
+        return WrongServiceError(
+            f"{args.target} serves the draft service (specsplit.v1.DraftService), not the target; "
+            f"point --target (or ${TARGET_ENV}) at the target service (default port 50051)"
+        )
+    return WrongServiceError(f"{args.target} does not serve specsplit.v1.TargetService ({error})")
 
 
 def _generate_options(args: argparse.Namespace) -> GenerateOptions:
@@ -123,6 +225,7 @@ def _generate_options(args: argparse.Namespace) -> GenerateOptions:
         num_speculative_tokens=args.num_speculative_tokens,
         ignore_eos=args.ignore_eos,
         request_id=args.request_id,
+        logprobs=args.logprobs,
     )
 
 
@@ -154,8 +257,8 @@ class StreamClock:
 
 def _stats_line(result: GenerateResult, timing: dict[str, float | None]) -> str:
     usage = result.usage
-    rate = usage.acceptance_rate
-    acceptance = f"{rate:.1%} ({usage.accepted_tokens}/{usage.drafted_tokens})" if rate is not None else "n/a"
+    drafted = usage.drafted_tokens
+    acceptance = f"{usage.acceptance_rate:.1%} ({usage.accepted_tokens}/{drafted})" if drafted else "n/a"
     tpot = f"{timing['tpot_s'] * 1e3:.2f} ms" if timing["tpot_s"] is not None else "n/a"
     return (
         f"[{usage.output_tokens} tokens, finish {result.finish_reason}, acceptance {acceptance}, "
@@ -183,10 +286,13 @@ def cmd_generate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.json:
         payload = dataclasses.asdict(result) | {"acceptance_rate": result.usage.acceptance_rate} | timing
         out.write(json.dumps(payload) + "\n")
-    else:
+        return EXIT_OK
+    out.write("\n")
+    for lp in result.logprobs:  # one line per token: id, logprob, then the alternatives
+        out.write("\t".join([str(lp.token_id), f"{lp.logprob:.4f}", *(f"{t}:{v:.4f}" for t, v in lp.top)]))
         out.write("\n")
-        err.write(_stats_line(result, timing) + "\n")
-    return 0
+    err.write(_stats_line(result, timing) + "\n")
+    return EXIT_OK
 
 
 def cmd_chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
@@ -238,8 +344,11 @@ def cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 def cmd_health(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     with _client(args) as client:
         status = client.health(args.service)
-    out.write(status + "\n")
-    return 0 if status == "SERVING" else EXIT_ERROR
+    if args.json:
+        out.write(json.dumps({"target": args.target, "service": args.service, "status": status}) + "\n")
+    else:
+        out.write(status + "\n")
+    return EXIT_OK if status == "SERVING" else EXIT_UNAVAILABLE
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO, TextIO], int]] = {
@@ -250,12 +359,34 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO, TextIO], int]] = {
 }
 
 
-def _error_line(error: SpecSplitError, target: str) -> str:
+def _error_line(error: BaseException, target: str) -> str:
     if isinstance(error, UnavailableError):
         return f"specsplit: unavailable: {target}: {error.details}"
     if isinstance(error, APIError):
-        return f"specsplit: {error.code.name.lower()}: {error.details}"
+        where = f" (request {error.request_id})" if error.request_id else ""
+        return f"specsplit: {error.code.name.lower()}: {error.details}{where}"
+    if isinstance(error, WrongServiceError):
+        return f"specsplit: wrong service: {error}"
     return f"specsplit: {error}"
+
+
+def _error_json(error: BaseException, exit_code: int) -> str:
+    body: dict[str, Any] = {"message": str(error), "exit_code": exit_code, "type": type(error).__name__}
+    if isinstance(error, APIError):
+        body |= {"code": error.code.name, "details": error.details, "request_id": error.request_id,
+                 "token_ids": error.token_ids, "text": error.text}  # fmt: skip
+    return json.dumps({"error": body})
+
+
+def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    try:
+        return COMMANDS[args.command](args, out, err)
+    except APIError as error:
+        unimplemented = error.code == grpc.StatusCode.UNIMPLEMENTED
+        no_target = args.command == "health" and args.service == TARGET_SERVICE
+        if unimplemented or (no_target and error.code == grpc.StatusCode.NOT_FOUND):
+            raise _wrong_service(args, error) from error
+        raise
 
 
 def _dispatch(command: str, argv: list[str]) -> int:
@@ -274,18 +405,18 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None, err: Text
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else EXIT_USAGE
     try:
-        return COMMANDS[args.command](args, out, err)
-    except SpecSplitError as error:
-        err.write(_error_line(error, args.target) + "\n")
-        return EXIT_ERROR
-    except OSError as error:  # e.g. an unreadable --ca-cert or --auth-token-file
-        err.write(f"specsplit: {error}\n")
-        return EXIT_ERROR
+        return _run(args, out, err)
     except UsageError as error:
         err.write(f"specsplit: error: {error}\n")
         return EXIT_USAGE
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except (SpecSplitError, OSError) as error:  # OSError: an unreadable --ca-cert or token file
+        code = exit_code_of(error) if isinstance(error, SpecSplitError) else EXIT_ERROR
+        err.write(_error_line(error, args.target) + "\n")
+        if args.json:
+            out.write(_error_json(error, code) + "\n")
+        return code
 
 
 if __name__ == "__main__":

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+import numbers
 import operator
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from types import TracebackType
-from typing import Any, TypedDict, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -21,7 +23,7 @@ from specsplit._channel import (
     auth_metadata,
     sync_channel,
 )
-from specsplit.errors import InvalidRequestError, error_from_rpc
+from specsplit.errors import ClientClosedError, InvalidRequestError, error_from_rpc
 from specsplit.v1 import sampling_pb2, target_pb2, target_pb2_grpc
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -55,13 +57,29 @@ class Usage:
     steps: int
 
     @property
-    def acceptance_rate(self) -> float | None:
-        """Accepted / drafted tokens; None when nothing was drafted (e.g. the draft was unreachable)."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else None
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens in [0, 1]; 0.0 when nothing was drafted (plain decoding, e.g. the
+        draft was unreachable or `num_speculative_tokens=0`: check `drafted_tokens` to tell them apart)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @classmethod
     def from_proto(cls, msg: target_pb2.Usage) -> Usage:
         return cls(msg.prompt_tokens, msg.output_tokens, msg.drafted_tokens, msg.accepted_tokens, msg.steps)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the distribution it was drawn from (the target's,
+    after temperature, top-k and top-p; greedy: temperature 1, untruncated), and the `logprobs` most
+    likely tokens as (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    @classmethod
+    def from_proto(cls, msg: target_pb2.TokenLogprob) -> TokenLogprob:
+        return cls(msg.token_id, msg.logprob, list(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
 @dataclass(frozen=True)
@@ -74,6 +92,8 @@ class Delta:
     text: str
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    # One per token of `token_ids` when the request asked for `logprobs`, else empty.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @classmethod
     def from_proto(cls, msg: target_pb2.GenerateResponse) -> Delta:
@@ -84,6 +104,7 @@ class Delta:
             text=msg.text,
             finish_reason=_FINISH_REASON_FROM_PROTO[msg.finish_reason] if finished else None,
             usage=Usage.from_proto(msg.usage) if msg.HasField("usage") else None,
+            logprobs=[TokenLogprob.from_proto(lp) for lp in msg.logprobs],
         )
 
 
@@ -94,6 +115,8 @@ class GenerateResult:
     text: str
     finish_reason: FinishReason
     usage: Usage
+    # One per token of `token_ids` when the request asked for `logprobs`, else empty.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -105,10 +128,16 @@ class ResultBuilder:
     text_parts: list[str] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
 
     def add(self, delta: Delta) -> None:
         self.token_ids.extend(delta.token_ids)
         self.text_parts.append(delta.text)
+        self.logprobs.extend(delta.logprobs)
         self.finish_reason = delta.finish_reason or self.finish_reason
         self.usage = delta.usage or self.usage
         self.request_id = delta.request_id or self.request_id
@@ -117,7 +146,7 @@ class ResultBuilder:
         if self.finish_reason is None or self.usage is None:
             raise RuntimeError(f"request {self.request_id}: stream ended without a finish reason and usage")
         return GenerateResult(
-            self.request_id, self.token_ids, "".join(self.text_parts), self.finish_reason, self.usage
+            self.request_id, self.token_ids, self.text, self.finish_reason, self.usage, self.logprobs
         )
 
 
@@ -156,60 +185,119 @@ class GenerateOptions(TypedDict, total=False):
     top_p: float | None
     seed: int | None
     stop_token_ids: Sequence[int]
-    stop_strings: Sequence[str]
+    # Not Sequence[str]: a str is one, and "as" would mean the stops "a" and "s".
+    stop_strings: list[str] | tuple[str, ...]
     num_speculative_tokens: int | None
     ignore_eos: bool
     request_id: str | None
+    logprobs: int | None
+
+
+OPTION_NAMES = frozenset(GenerateOptions.__optional_keys__)
+# Names other clients use (openai, TGI) for options this SDK spells differently.
+_OPTION_HINTS = {
+    "stop": "stop_strings (text) or stop_token_ids (ids)",
+    "max_tokens": "max_new_tokens",
+    "top_logprobs": "logprobs",
+    "stop_sequences": "stop_strings",
+}
 
 
 def _invalid(details: str) -> InvalidRequestError:
     return InvalidRequestError(grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
-def _integer(name: str, value: int, non_negative: bool = False) -> int:
+def check_option_names(options: Mapping[str, object], method: str) -> None:
+    """TypeError for a keyword that is not an option, as Python raises for a wrong call: an ignored
+    `max_tokens=5` would silently generate 128 tokens."""
+    for name in options:
+        if name not in OPTION_NAMES:
+            hint = _OPTION_HINTS.get(name) or next(iter(difflib.get_close_matches(name, OPTION_NAMES, 1)), "")
+            more = f"; did you mean {hint}?" if hint else ""
+            raise TypeError(f"{method}() got an unexpected keyword argument {name!r}{more}")
+
+
+def _integer(name: str, value: object, non_negative: bool = False) -> int:
     # operator.index accepts numpy/torch integer scalars and refuses floats and strings.
     try:
-        index = operator.index(value)
+        index = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise _invalid(f"{name}: must be an int, got {value!r}") from None
-    if isinstance(value, bool) or (non_negative and index < 0):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}") from None
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: expected an int, got bool {value!r}")
+    if non_negative and index < 0:
         raise _invalid(f"{name}: must be an int >= 0, got {value!r}")
     return index
 
 
-def build_request(
-    prompt: str | Iterable[int], **options: Unpack[GenerateOptions]
-) -> target_pb2.GenerateRequest:
-    """The GenerateRequest for a text prompt or token ids. Only what the proto cannot hold (negative or
-    non-integer ids) is refused here, naming the field; the server validates the values."""
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+_T = TypeVar("_T")
+
+
+def _items(name: str, value: object, item: Callable[[str, object], _T], what: str) -> list[_T]:
+    """A list of items; a bare str/bytes (which would iterate as characters) or a scalar is refused."""
+    if isinstance(value, str | bytes | bytearray) or not isinstance(value, Iterable):
+        raise TypeError(f"{name}: expected a list of {what}, got {type(value).__name__} {value!r}")
+    return [item(name, v) for v in value]
+
+
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _token_id(name: str, value: object) -> int:
+    return _integer(name, value, non_negative=True)
+
+
+def build_request(prompt: str | Iterable[int], **options: Any) -> target_pb2.GenerateRequest:
+    """The GenerateRequest for a text prompt or token ids.
+
+    Call mistakes (an unknown keyword, a wrong type: `stop_strings="as"`, `b"hi"` as a prompt) raise
+    TypeError naming the option; values the proto cannot hold (negative ids) raise InvalidRequestError
+    naming the field; the server validates everything else.
+    """
+    check_option_names(options, "generate")
+    request_id = options.get("request_id")
     request = target_pb2.GenerateRequest(
-        request_id=options.get("request_id") or uuid.uuid4().hex,
+        request_id=_text("request_id", request_id) if request_id else uuid.uuid4().hex,
         max_new_tokens=_integer("max_new_tokens", options.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
-        stop_token_ids=[
-            _integer("stop_token_ids", t, non_negative=True) for t in options.get("stop_token_ids", ())
-        ],
-        stop_strings=list(options.get("stop_strings", ())),
-        ignore_eos=options.get("ignore_eos", False),
+        stop_token_ids=_items("stop_token_ids", options.get("stop_token_ids", ()), _token_id, "ints"),
+        stop_strings=_items("stop_strings", options.get("stop_strings", ()), _text, "strings"),
+        ignore_eos=_flag("ignore_eos", options.get("ignore_eos", False)),
         sampling=sampling_pb2.SamplingParams(
-            temperature=float(options.get("temperature", 0.0)),
-            top_k=_integer("sampling.top_k", options.get("top_k", 0)),
+            temperature=_number("temperature", options.get("temperature", 0.0)),
+            top_k=_integer("top_k", options.get("top_k", 0)),
         ),
     )
     if isinstance(prompt, str):
         request.text = prompt
-    elif isinstance(prompt, Iterable):
-        request.token_ids.ids.extend([_integer("token_ids", t, non_negative=True) for t in prompt])
+    elif isinstance(prompt, bytes | bytearray | memoryview):
+        raise TypeError("prompt: got bytes; pass text as str (decode it) or token ids as a list of ints")
+    elif isinstance(prompt, Iterable) and not isinstance(prompt, Mapping):
+        request.token_ids.ids.extend(_items("token_ids", prompt, _token_id, "ints"))
     else:
-        raise _invalid(f"prompt: expected str or token ids, got {type(prompt).__name__}")
-    top_p = options.get("top_p")
-    if top_p is not None:
-        request.sampling.top_p = float(top_p)
-    seed = options.get("seed")
-    if seed is not None:
+        raise TypeError(f"prompt: expected str or a list of token ids, got {type(prompt).__name__}")
+    if (top_p := options.get("top_p")) is not None:
+        request.sampling.top_p = _number("top_p", top_p)
+    if (seed := options.get("seed")) is not None:
         request.sampling.seed = _integer("sampling.seed", seed, non_negative=True)
-    num_speculative_tokens = options.get("num_speculative_tokens")
-    if num_speculative_tokens is not None:
+    if (num_speculative_tokens := options.get("num_speculative_tokens")) is not None:
         request.num_speculative_tokens = _integer("num_speculative_tokens", num_speculative_tokens)
+    if (logprobs := options.get("logprobs")) is not None:
+        request.logprobs = _integer("logprobs", logprobs)
     return request
 
 
@@ -219,10 +307,11 @@ ChatMessages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."
 def build_chat_request(
     messages: ChatMessages, **options: Unpack[GenerateOptions]
 ) -> target_pb2.GenerateRequest:
-    """A GenerateRequest whose prompt is chat turns; the target renders its model's chat template."""
+    """A GenerateRequest whose prompt is chat turns; the target renders its model's chat template.
+    A wrong type raises TypeError naming `messages[i]`, as build_request does for its options."""
     raw: object = messages  # callers outside mypy pass anything
-    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
-        raise _invalid(f"messages: expected a list of {{role, content}} dicts, got {type(messages).__name__}")
+    if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
+        raise TypeError(f"messages: expected a list of {{role, content}} dicts, got {type(raw).__name__}")
     request = build_request("", **options)
     chat = request.messages
     chat.SetInParent()  # selects the oneof's messages branch (an empty conversation stays one)
@@ -232,7 +321,7 @@ def build_chat_request(
             or not isinstance(m.get("role"), str)
             or not isinstance(m.get("content", ""), str)
         ):
-            raise _invalid(f"messages[{i}]: expected {{'role': str, 'content': str}}, got {m!r}")
+            raise TypeError(f"messages[{i}]: expected {{'role': str, 'content': str}}, got {m!r}")
         chat.messages.add(role=m["role"], content=m.get("content", ""))
     return request
 
@@ -265,20 +354,29 @@ class CallSettings:
         return {"timeout": deadline, "metadata": self.metadata, "wait_for_ready": self.wait_for_ready}
 
 
+def closed_error(target: str) -> ClientClosedError:
+    return ClientClosedError(f"the client of {target} is closed; create a new one")
+
+
 class GenerateStream:
     """Iterator of `Delta`s for one generation. Leaving it early (the `with` block, a `break` out of the
-    loop, an exception) cancels the RPC, so the server drops the request from its batch at once."""
+    loop, an exception) cancels the RPC, so the server drops the request from its batch at once.
+    A failure raises an `APIError` carrying `request_id` and the output streamed before it."""
 
     def __init__(self, call: Any, request_id: str) -> None:
         self._call = call
         self.request_id = request_id
+        self.received = ResultBuilder(request_id)  # what the stream has yielded so far
 
     def __iter__(self) -> Iterator[Delta]:
         try:
             for msg in self._call:
-                yield Delta.from_proto(msg)
+                delta = Delta.from_proto(msg)
+                self.received.add(delta)
+                yield delta
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            got = self.received
+            raise error_from_rpc(err, self.request_id, got.token_ids, got.text) from None
         finally:
             self.cancel()
 
@@ -316,7 +414,7 @@ class Client:
         wait_for_ready: bool = False,
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self.target = target
+        self.target = _text("target", target)
         self._settings = CallSettings(timeout, auth_metadata(auth_token), wait_for_ready)
         self._channel = sync_channel(target, retry, resolve_tls(tls), tuple(channel_options))
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
@@ -326,11 +424,17 @@ class Client:
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise closed_error(self.target)
 
     def stream(
         self, prompt: str | Iterable[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateStream:
         request = build_request(prompt, **options)
+        self._check_open()
         call = self._stub.Generate(request, **self._settings.kwargs(timeout, unary=False))
         return GenerateStream(call, request.request_id)
 
@@ -345,6 +449,7 @@ class Client:
     ) -> GenerateStream:
         """Streams the assistant's reply to `messages` (rendered with the model's chat template)."""
         request = build_chat_request(messages, **options)
+        self._check_open()
         call = self._stub.Generate(request, **self._settings.kwargs(timeout, unary=False))
         return GenerateStream(call, request.request_id)
 
@@ -357,13 +462,15 @@ class Client:
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Abort a running or queued request; False when the server had no request with that id."""
-        request = target_pb2.AbortRequest(request_id=request_id)
+        request = target_pb2.AbortRequest(request_id=_text("request_id", request_id))
+        self._check_open()
         try:
             return self._stub.Abort(request, **self._settings.kwargs(timeout, unary=True)).found
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise error_from_rpc(err, request_id) from None
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        self._check_open()
         try:
             request = target_pb2.GetModelInfoRequest()
             msg = self._stub.GetModelInfo(request, **self._settings.kwargs(timeout, unary=True))
@@ -373,7 +480,8 @@ class Client:
 
     def health(self, service: str = TARGET_SERVICE, *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status name of `service` ("" for the whole server): "SERVING", ..."""
-        request = health_pb2.HealthCheckRequest(service=service)
+        request = health_pb2.HealthCheckRequest(service=_text("service", service))
+        self._check_open()
         try:
             msg = self._health_check(request, **self._settings.kwargs(timeout, unary=True))
         except grpc.RpcError as err:
@@ -381,6 +489,8 @@ class Client:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(msg.status)
 
     def close(self) -> None:
+        """Close the channel (idempotent); later calls raise ClientClosedError."""
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> Client:

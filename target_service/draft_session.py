@@ -71,6 +71,9 @@ class Ask:
     epoch: int
     sent: float
     ks: dict[int, int]  # draft id -> tokens asked
+    # No starts and no verdict longer than a round: the draft's answer time is a round's cost, not a
+    # prefill's or a catch-up's (after plain steps), so the speculation policy may learn from it.
+    steady: bool = True
 
 
 class DraftSession:
@@ -85,6 +88,7 @@ class DraftSession:
         self.decided: set[int] = set()  # draft ids asked for (or decided k = 0) since the last collect
         self._ids = itertools.count(1)
         self.last_wait = 0.0  # seconds the last collect() blocked
+        self.last_wait_steady = False  # whether that wait was for steady-state asks only
 
     @property
     def attached(self) -> bool:
@@ -167,7 +171,9 @@ class DraftSession:
             return
         msg = self._message(want, ks)
         if link.send(msg, self.epoch):
-            self.inflight.append(Ask(msg.step, self.epoch, time.perf_counter(), ks))
+            longest = max(ks.values()) + 1
+            steady = not msg.starts and all(len(v.token_ids) <= longest for v in msg.verdicts)
+            self.inflight.append(Ask(msg.step, self.epoch, time.perf_counter(), ks, steady))
         else:
             self.metrics.fallback_steps.inc()
 
@@ -180,6 +186,7 @@ class DraftSession:
         asks, self.inflight = self.inflight, []
         self.decided = set()
         self.last_wait = 0.0
+        self.last_wait_steady = bool(asks) and all(a.steady for a in asks)
         out: dict[int, Proposal] = {}
         if self.link is None:
             return out

@@ -9,16 +9,21 @@ k in [0, max k of the batch] that maximises
 
 with E_r(k) = (1 - a_r^(k+1)) / (1 - a_r) the expected tokens of request r at per-token acceptance a_r.
 Step costs are measured: verify times per (batch bucket, width) from the runner's start-up timing, then
-running averages of real steps; draft waits per (batch bucket, k) from real exchanges. A width that has
-never been measured is assumed as cheap as the nearest measured one below it (optimism makes the policy
-try it once); an unmeasured draft wait is taken from the nearest measured k. While k = 0 wins, every
-`probe_every`-th step still speculates, so that the acceptance and draft estimates stay fresh. Output
-never depends on k for greedy requests: verification is lossless for any k.
+the median of the recent real steps; draft waits per (batch bucket, k) from real exchanges in steady
+state (an ask that starts a request, or catches the draft up after plain steps, costs a prefill rather
+than a round: it is not a sample). A width that has never been measured is assumed as cheap as the
+nearest measured one below it (optimism makes the policy try it once); an unmeasured draft wait is
+taken from the nearest measured k, and none measured counts as free, so the policy speculates and
+learns. While k = 0 wins, every `probe_every`-th step still speculates, so that the estimates stay fresh
+(a probe is two steps: the first catches the draft up, the second is a steady sample). Greedy output
+never depends on k: verification is lossless for any k.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 from collections.abc import Sequence
 
 from target_service.request import Request
@@ -36,27 +41,31 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class StepCosts:
-    """Running averages of step costs, keyed by (batch bucket, width) and (batch bucket, k)."""
+    """Recent step costs, keyed by (batch bucket, width) and (batch bucket, k): the median of the last
+    `window` observations, so a one-off stall (a slow draft round, a GC pause) does not swing k."""
 
-    def __init__(self, batch_buckets: Sequence[int], decay: float = 0.9):
+    def __init__(self, batch_buckets: Sequence[int], window: int = 16):
         self.batch_buckets = list(batch_buckets)
-        self.decay = decay
-        self.verify: dict[tuple[int, int], float] = {}
+        self.window = window
+        self._verify: dict[tuple[int, int], collections.deque[float]] = {}
+        self._draft: dict[tuple[int, int], collections.deque[float]] = {}
+        self.verify: dict[tuple[int, int], float] = {}  # medians, updated on every observation
         self.draft: dict[tuple[int, int], float] = {}
 
     def bucket(self, batch: int) -> int:
         i = bisect.bisect_left(self.batch_buckets, batch)
         return self.batch_buckets[min(i, len(self.batch_buckets) - 1)]
 
-    def _update(self, table: dict, key: tuple[int, int], seconds: float) -> None:
-        old = table.get(key)
-        table[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+    def _update(self, recent: dict, medians: dict, key: tuple[int, int], seconds: float) -> None:
+        window = recent.setdefault(key, collections.deque(maxlen=self.window))
+        window.append(seconds)
+        medians[key] = statistics.median(window)
 
     def observe_verify(self, batch: int, width: int, seconds: float) -> None:
-        self._update(self.verify, (self.bucket(batch), width), seconds)
+        self._update(self._verify, self.verify, (self.bucket(batch), width), seconds)
 
     def observe_draft(self, batch: int, k: int, seconds: float) -> None:
-        self._update(self.draft, (self.bucket(batch), k), seconds)
+        self._update(self._draft, self.draft, (self.bucket(batch), k), seconds)
 
     @staticmethod
     def _nearest_below(table: dict, b: int, n: int) -> float | None:
@@ -88,6 +97,7 @@ class SpeculationPolicy:
         self.prior_alpha = prior_alpha
         self.probe_every = probe_every
         self.steps_without_spec = 0
+        self.probing = False
 
     def choose(self, batch: Sequence[Request]) -> int:
         """The step's k: each request r then drafts min(k, r.k) tokens."""
@@ -103,11 +113,15 @@ class SpeculationPolicy:
                 best_k, best = k, goodput
         if best_k == 0:
             self.steps_without_spec += 1
-            if self.steps_without_spec >= self.probe_every:
+            # A probe is two speculative steps: the first one catches the draft up (not a cost sample),
+            # the second one measures a steady round.
+            if self.steps_without_spec >= self.probe_every or self.probing:
+                self.probing = not self.probing
                 self.steps_without_spec = 0
                 return max_k
         else:
             self.steps_without_spec = 0
+            self.probing = False
         return best_k
 
     def goodput(self, batch: Sequence[Request], k: int) -> float | None:

@@ -79,6 +79,10 @@ class Request:
     streamed: int = 0  # output tokens sent to the client (the usage count)
     draft: DraftSync = field(default_factory=DraftSync)
     spec: SpecStats = field(default_factory=SpecStats)
+    logprobs: int | None = None  # alternatives to return per token; None: no logprobs
+    # Logprobs of verified tokens not streamed yet, in token order (appended by the step, taken by
+    # the streamer with the chunk's tokens).
+    pending_logprobs: list[target_pb2.TokenLogprob] = field(default_factory=list)
 
     @property
     def sampling(self) -> sampling_pb2.SamplingParams:

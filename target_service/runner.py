@@ -23,8 +23,9 @@ import torch
 
 from common.batch import pack
 from common.config import DTYPES
-from common.cuda_graphs import buckets
-from common.distributed import Comm, add_comm_stats, comm_stats
+from common.cuda_graphs import buckets, capture, warm_eager_shapes
+from common.distributed import Comm, add_comm_stats
+from common.kernels.fused import eager_shapes
 from common.kernels.rejection import verify
 from common.kernels.rejection_ref import verify_reference
 from common.kv_cache import KVCache
@@ -60,6 +61,9 @@ class StepResult:
     tokens: list[list[int]]  # emitted tokens per real row (accepted drafts + one more)
     accepted: list[int]
     gpu_seconds: float  # GPU time of the step (CUDA events; 0 on the CPU)
+    # [Bp * width, V], row j of request b at b * width + j; a graph's static buffer: read it before the
+    # next step (logprobs).
+    logits: torch.Tensor | None = None
 
 
 class StepBuffers:
@@ -100,6 +104,11 @@ class StepBuffers:
         if name == "draft_ids":
             return t.view(self.batch, self.width - 1)
         return t
+
+    def verify_args(self) -> tuple[torch.Tensor, ...]:
+        """The rejection kernel's per-request inputs, in `verify`'s order after the logits."""
+        return (self.view("draft_ids"), self.view("num_draft").to(torch.int32), self.floats,
+                self.view("seeds"), self.view("commit_len"))  # fmt: skip
 
     def load(self, tokens: list[list[int]], starts: list[int], slots_in: list[int], seeds_in: list[int],
              temperatures: list[float]) -> None:  # fmt: skip
@@ -184,6 +193,7 @@ class TargetRunner:
         # Plain decoding (width 1) up to the default k: every width the scheduler produces by default.
         self.widths = list(range(1, config.num_speculative_tokens + 2))
         self.num_graphs = self.warm_up(self.widths)
+        warm_eager_shapes(self.model, self.cache, self.scratch_slot)  # prefills of any length
         # Timed on every rank: the graphs hold collectives, so all ranks must replay them together.
         self.step_costs = self.time_steps(self.widths)
         self.serving = True
@@ -201,34 +211,11 @@ class TargetRunner:
         logits = self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
         if not self.verify_in_graph:
             return logits, None
-        res = verify(
-            logits,
-            buf.view("draft_ids"),
-            buf.view("num_draft").to(torch.int32),
-            buf.floats,
-            buf.view("seeds"),
-            buf.view("commit_len"),
-        )
-        packed = torch.cat([res.output_tokens, res.num_accepted[:, None], res.num_emitted[:, None]], 1)
-        return logits, packed
+        return logits, _packed(verify(logits, *buf.verify_args()))
 
     def _capture(self, batch: int, width: int, ctx: int):
         buf = self._buffers(batch, width)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up outside the graph: allocator, Triton compiles
-            self._forward(buf, ctx)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        before = comm_stats()
-        with torch.cuda.graph(graph, pool=self.pool):
-            logits, packed = self._forward(buf, ctx)
-        after = comm_stats()
-        per_replay = {
-            k: (c - before.get(k, (0, 0))[0], b - before.get(k, (0, 0))[1])
-            for k, (c, b) in after.items()
-            if (c, b) != before.get(k, (0, 0))
-        }
+        graph, (logits, packed), per_replay = capture(lambda: self._forward(buf, ctx), self.device, self.pool)
         return graph, logits, packed, per_replay
 
     @torch.inference_mode()
@@ -251,38 +238,36 @@ class TargetRunner:
 
     @torch.inference_mode()
     def time_steps(self, widths: list[int], repeats: int = 3) -> dict[tuple[int, int], float]:
-        """Seconds of one verify step per (batch bucket, width) at the smallest context bucket, for the
-        speculation policy's first decisions (real steps refine them). On the CPU only small buckets."""
+        """Seconds of one verify step per (batch bucket, width), for the speculation policy's first
+        decisions (real steps refine them). Timed like a real step: pack, copy, replay, read back, on
+        the scratch slot at the smallest context bucket. On the CPU only batch 1, once."""
         costs = {}
-        ctx = self.ctx_buckets[0]
-        if not self.use_graphs:  # eager CPU steps are slow: batch 1, once (real steps refine the rest)
+        if not self.use_graphs:  # eager CPU steps are slow
             repeats = 1
         for batch in self.batch_buckets:
             if not self.use_graphs and batch > 1:
                 break
             for width in widths:
-                if width > ctx:
-                    continue
-                buf = self._buffers(batch, width)
-                graph = self.graphs.get((batch, width, ctx))
-                run = graph[0].replay if graph else (lambda b=buf: self._forward(b, ctx))
-                run()
-                if self.use_graphs:
-                    torch.cuda.synchronize(self.device)
+                args = ([[0] * width] * batch, [0] * batch, [self.scratch_slot] * batch, [0] * batch,
+                        [0.0] * batch, width)  # fmt: skip
+                self._local_step(*args)
                 t0 = time.perf_counter()
                 for _ in range(repeats):
-                    run()
-                if self.use_graphs:
-                    torch.cuda.synchronize(self.device)
+                    self._local_step(*args)
                 costs[batch, width] = (time.perf_counter() - t0) / repeats
         return costs
+
+    def _local_step(self, *args) -> list[list[int]]:
+        _, packed, _ = self.verify_step(*args)
+        return packed.tolist() if packed is not None else []
 
     # -- handlers (every rank) ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], slots: list[int]) -> None:
         """Writes the KV of prompt tokens (all but the last, which the first verify step feeds)."""
         batch = pack(rows, [0] * len(rows), slots, self.device, self.max_len)
-        self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
+        with eager_shapes():  # any prompt length: never a kernel compile while serving
+            self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
 
     @torch.inference_mode()
     def verify_step(
@@ -305,6 +290,8 @@ class TargetRunner:
         buf = self._buffers(padded, width)
         buf.load(tokens, starts, slots, seeds, temperatures)
         if not self.use_graphs:
+            if self.events is not None:
+                self.events[0].record()
             logits, packed = self._forward(buf, ctx)
             return logits, packed, padded
         key = (padded, width, ctx)
@@ -313,6 +300,9 @@ class TargetRunner:
             log.warning("capturing a verify graph while serving: batch %d, width %d, context %d", *key)
             self.graphs[key] = self._capture(padded, width, ctx)
         graph, logits, packed, per_replay = self.graphs[key]
+        if self.events is not None:
+            # GPU time starts at the replay: host delays before it (packing, the GIL) are host time.
+            self.events[0].record()
         graph.replay()
         add_comm_stats(per_replay)
         return logits, packed, padded
@@ -321,8 +311,6 @@ class TargetRunner:
     @torch.inference_mode()
     def step(self, rows: list[StepRow], width: int) -> StepResult:
         """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row."""
-        if self.events is not None:
-            self.events[0].record()
         logits, packed, padded = self.executor.run(
             "verify_step",
             tokens=[[r.last_token, *r.drafts] for r in rows],
@@ -348,7 +336,7 @@ class TargetRunner:
             out = packed[:n].tolist()
         tokens = [row[: row[-1]] for row in out]
         accepted = [row[-2] for row in out]
-        return StepResult(tokens, accepted, gpu)
+        return StepResult(tokens, accepted, gpu, logits)
 
     def _verify_eager(self, rows: list[StepRow], logits: torch.Tensor, padded: int, width: int):
         buf = self._buffers(padded, width)
@@ -376,18 +364,14 @@ class TargetRunner:
                     probs[i, :k, 0] = 1.0
             kwargs["draft_topk_ids"] = torch.from_numpy(ids).to(dev)
             kwargs["draft_topk_probs"] = torch.from_numpy(probs).to(dev)
-        res = self.verify_fn(
-            logits,
-            buf.view("draft_ids"),
-            buf.view("num_draft").to(torch.int32),
-            buf.floats,
-            buf.view("seeds"),
-            buf.view("commit_len"),
-            **kwargs,
-        )
-        return torch.cat(
-            [res.output_tokens.int(), res.num_accepted.int()[:, None], res.num_emitted.int()[:, None]], 1
-        )
+        return _packed(self.verify_fn(logits, *buf.verify_args(), **kwargs))
+
+
+def _packed(res) -> torch.Tensor:
+    """A VerifyResult as one int32 [B, width + 2] tensor (tokens, accepted, emitted): one read-back."""
+    return torch.cat(
+        [res.output_tokens.int(), res.num_accepted.int()[:, None], res.num_emitted.int()[:, None]], 1
+    )
 
 
 def _bucket(values: list[int], n: int) -> int:

@@ -24,6 +24,7 @@ from specsplit.v1 import target_pb2
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
 from target_service.draft_session import DraftSession, Proposal, checked_proposal
+from target_service.logprobs import add_pending_logprobs
 from target_service.policy import SpeculationPolicy, StepCosts
 from target_service.request import FINISH, Request, Status, check_stop
 from target_service.runner import StepRow, TargetRunner
@@ -123,7 +124,9 @@ class Streamer:
         req.last_chunk = now
         req.streamed += len(ids)
         self.metrics.generated_tokens.inc(len(ids))
-        req.out.put(target_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text))
+        logprobs, req.pending_logprobs[: len(ids)] = req.pending_logprobs[: len(ids)], []
+        req.out.put(target_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text,
+                                                logprobs=logprobs))  # fmt: skip
 
 
 class Scheduler:
@@ -286,6 +289,7 @@ class Scheduler:
         rows, drafts = self._rows(batch, proposals)
         width = max(len(d) for d in drafts) + 1
         result = self.runner.step(rows, width)  # verify
+        add_pending_logprobs(batch, result.logits, width, result.tokens)
         t3 = time.perf_counter()
         self._commit(batch, drafts, result.tokens, result.accepted)
         t4 = time.perf_counter()
@@ -354,7 +358,7 @@ class Scheduler:
     def _account(self, batch, width: int, gpu: float, *marks: float) -> None:
         t0, t1, t2, t3, t4 = marks
         self.costs.observe_verify(len(batch), width, t3 - t2)
-        if width > 1:
+        if width > 1 and self.session.last_wait_steady:
             self.costs.observe_draft(len(batch), width - 1, self.session.last_wait)
         self.metrics.verify_step.observe(t3 - t2)
         if gpu:

@@ -14,6 +14,7 @@ from common.tokenizer import ChatTemplateError
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.detok import StreamDetokenizer
+from target_service.logprobs import MAX_LOGPROBS
 from target_service.scheduler import NotAccepting, QueueFull, Request, Scheduler
 
 MAX_REQUEST_ID = 128
@@ -121,6 +122,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 raise InvalidRequest("stop_strings: contains U+FFFD (not valid text)")
         if stops and self.tokenizer is None:
             raise InvalidRequest("stop_strings: the target has no tokenizer")
+        logprobs = request.logprobs if request.HasField("logprobs") else None
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {logprobs}")
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids |= self.scheduler.eos_ids
@@ -136,6 +140,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             pinned_k=s.temperature > 0 and s.HasField("seed"),
             stop_ids=frozenset(stop_ids),
             detok=StreamDetokenizer(self.tokenizer, stops),
+            logprobs=logprobs,
         )
 
     def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
@@ -173,8 +178,10 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 continue
             if item is None:
                 return
-            if isinstance(item, Exception):
-                self._abort(context, grpc.StatusCode.INTERNAL, str(item))
+            if isinstance(item, Exception):  # stopped at the drain timeout: UNAVAILABLE, retry elsewhere
+                stopped = self.scheduler.stopped.is_set()
+                code = grpc.StatusCode.UNAVAILABLE if stopped else grpc.StatusCode.INTERNAL
+                self._abort(context, code, str(item))
             self.metrics.count_grpc_message("sent", "generate_response", item.ByteSize())
             yield item
 

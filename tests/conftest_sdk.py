@@ -122,10 +122,14 @@ def sdk_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """Services shared by tests/test_sdk*.py and tests/test_cli*.py (multi-process)."""
     root = tmp_path_factory.mktemp("sdk-stack")
     model = root / "tiny"
-    # A draft of other weights than the target's, so that drafts really get rejected.
+    # A draft sharing the target's embeddings, head and first layer (the target's second is damped): it
+    # agrees with the target often but not always (~25% of greedy drafts), so drafts are both accepted
+    # and rejected.
     draft_model = root / "tiny-draft"
-    for path, seed in ((model, "0"), (draft_model, "1")):
-        subprocess.run([sys.executable, "-m", "common.tiny", str(path), "--seed", seed], cwd=REPO, check=True)
+    target_args = ["--seed", "0", "--late-layer-scale", "0.3", "--late-layers-from", "1"]
+    draft_args = ["--seed", "1", "--num-layers", "1", "--base", str(model), "--share-layers", "1"]
+    for path, args in ((model, target_args), (draft_model, draft_args)):
+        subprocess.run([sys.executable, "-m", "common.tiny", str(path), *args], cwd=REPO, check=True)
     certs = make_certificates(root)
     token_file = root / "token"
     token_file.write_text(AUTH_TOKEN + "\n")

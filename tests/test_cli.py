@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 from conftest_sdk import REPO, Stack, free_port
 
-from specsplit import Client
+from specsplit import Client, __version__, cli
 
 pytest_plugins = ["conftest_sdk"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -17,13 +18,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 PROMPT = "3,14,15,92,65"
 
 
-def specsplit(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def specsplit(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != cli.TARGET_ENV} | env
     return subprocess.run(
         [sys.executable, "-m", "specsplit.cli", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=environ,
     )
 
 
@@ -34,8 +37,8 @@ def generate(target: str, max_new_tokens: int, *more: str) -> subprocess.Complet
     )
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> None:
-    assert result.returncode != 0, result.stdout
+def assert_one_line_error(result: subprocess.CompletedProcess[str], exit_code: int, *needles: str) -> None:
+    assert result.returncode == exit_code, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -89,12 +92,18 @@ def test_info_and_health(sdk_stack: Stack) -> None:
 
 def test_errors_are_one_line_and_non_zero(sdk_stack: Stack) -> None:
     target = sdk_stack.target.address
-    assert_one_line_error(generate(target, 0), "invalid_argument", "max_new_tokens")
-    assert_one_line_error(generate(target, 100000, "--timeout", "0.2", "--ignore-eos"), "max_new_tokens")
+    invalid = cli.EXIT_INVALID_REQUEST
+    assert_one_line_error(generate(target, 0), invalid, "invalid_argument", "max_new_tokens")
+    assert_one_line_error(
+        generate(target, 100000, "--timeout", "0.2", "--ignore-eos"), invalid, "max_new_tokens"
+    )
+    assert_one_line_error(generate(target, 4, "--logprobs", "99"), invalid, "logprobs")
     with Client(target) as c:
         long = c.model_info().max_context_length - 5
-    assert_one_line_error(generate(target, long, "--timeout", "0.3", "--ignore-eos"), "deadline_exceeded")
-    assert_one_line_error(specsplit("generate", "--target", target, "--token-ids", "1,x"), "--token-ids")
+    deadline = generate(target, long, "--timeout", "0.3", "--ignore-eos", "--request-id", "cli-deadline")
+    assert_one_line_error(deadline, cli.EXIT_DEADLINE, "deadline_exceeded", "request cli-deadline")
+    assert_one_line_error(specsplit("generate", "--target", target, "--token-ids", "1,x"), cli.EXIT_USAGE,
+                          "--token-ids")  # fmt: skip
     # The secure target wants TLS with a client certificate and a token.
     secure = [
         "--target",
@@ -106,19 +115,65 @@ def test_errors_are_one_line_and_non_zero(sdk_stack: Stack) -> None:
         "--client-key",
         str(sdk_stack.certs.client_key),
     ]
-    assert_one_line_error(specsplit("info", *secure), "unauthenticated")
+    assert_one_line_error(specsplit("info", *secure), cli.EXIT_AUTH, "unauthenticated")
     ok = specsplit("info", *secure, "--auth-token-file", str(sdk_stack.auth_token_file), "--json")
     assert ok.returncode == 0 and json.loads(ok.stdout)["vocab_size"] == 512, ok.stderr
     assert_one_line_error(
-        specsplit("info", *secure, "--auth-token-file", "/nonexistent/token"), "/nonexistent"
+        specsplit("info", *secure, "--auth-token-file", "/nonexistent/token"), cli.EXIT_ERROR, "/nonexistent"
     )
 
 
 def test_unreachable_server() -> None:
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     for command in ("health", "info"):
-        assert_one_line_error(specsplit(command, "--target", address), "unavailable", address)
-    assert_one_line_error(specsplit("generate", "--target", address, "--prompt", "hi"), "unavailable")
+        assert_one_line_error(
+            specsplit(command, "--target", address), cli.EXIT_UNAVAILABLE, "unavailable", address
+        )
+    assert_one_line_error(specsplit("generate", "--target", address, "--prompt", "hi"), cli.EXIT_UNAVAILABLE,
+                          "unavailable")  # fmt: skip
+    # --json: the error as one JSON object on stdout as well.
+    result = specsplit("info", "--target", address, "--json")
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "UNAVAILABLE" and error["exit_code"] == result.returncode == cli.EXIT_UNAVAILABLE
+
+
+def test_the_draft_address_is_named_as_the_mistake(sdk_stack: Stack) -> None:
+    draft = sdk_stack.draft.address
+    for command in (["info"], ["health"], ["generate", "--token-ids", "1,2"]):
+        result = specsplit(*command, "--target", draft)
+        assert_one_line_error(result, cli.EXIT_WRONG_SERVICE, f"{draft} serves the draft service", "--target")
+
+
+def test_target_from_the_environment_version_and_json_everywhere(sdk_stack: Stack) -> None:
+    env = {cli.TARGET_ENV: sdk_stack.target.address}
+    health = specsplit("health", "--json", **env)
+    assert health.returncode == 0, health.stderr
+    want = {"target": sdk_stack.target.address, "service": "specsplit.v1.TargetService", "status": "SERVING"}
+    assert json.loads(health.stdout) == want
+    assert json.loads(specsplit("info", "--json", **env).stdout)["vocab_size"] == 512
+    # Without the variable the documented default applies.
+    assert "localhost:50051" in specsplit("health", "--help").stdout
+    version = specsplit("--version")
+    assert (version.returncode, version.stdout.strip()) == (0, f"specsplit {__version__}")
+
+
+def test_generate_logprobs(sdk_stack: Stack) -> None:
+    with Client(sdk_stack.target.address) as c:
+        expected = c.generate([3, 14, 15, 92, 65], max_new_tokens=6, ignore_eos=True, logprobs=2)
+    result = generate(sdk_stack.target.address, 6, "--ignore-eos", "--logprobs", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(result.stdout)
+    assert [lp["token_id"] for lp in payload["logprobs"]] == expected.token_ids
+    assert [lp["logprob"] for lp in payload["logprobs"]] == pytest.approx(
+        [lp.logprob for lp in expected.logprobs]
+    )
+    assert all(len(lp["top"]) == 2 for lp in payload["logprobs"])
+    text = generate(sdk_stack.target.address, 6, "--ignore-eos", "--logprobs", "1")
+    lines = text.stdout.strip().splitlines()
+    # The streamed ids, then one line per token: id, logprob, the alternative as id:logprob.
+    assert [int(t) for t in lines[0].split()] == expected.token_ids
+    assert [int(line.split("\t")[0]) for line in lines[1:]] == expected.token_ids
+    assert all(len(line.split("\t")) == 3 for line in lines[1:])
 
 
 def test_dispatch_to_make_tiny_model(tmp_path) -> None:

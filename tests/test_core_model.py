@@ -325,8 +325,14 @@ def test_rank_loads_only_its_slice(tmp_path):
     assert emb.shape == (256, 64)
     assert torch.equal(emb[: 500 - 256], full["model.embed_tokens.weight"][256:]) and not emb[244:].any()
     attn = model.model.layers[0].self_attn
-    assert torch.equal(attn.q_proj.weight, full["model.layers.0.self_attn.q_proj.weight"][32:])
-    assert torch.equal(attn.k_proj.weight, full["model.layers.0.self_attn.k_proj.weight"][16:])
+    # Merged qkv: this rank's [q rows 32:64 | k rows 16:32 | v rows 16:32], each from its own tensor.
+    q, k, v = attn.qkv_proj.weight.split([32, 16, 16])
+    assert torch.equal(q, full["model.layers.0.self_attn.q_proj.weight"][32:])
+    assert torch.equal(k, full["model.layers.0.self_attn.k_proj.weight"][16:])
+    assert torch.equal(v, full["model.layers.0.self_attn.v_proj.weight"][16:])
+    gate, up = model.model.layers[1].mlp.gate_up_proj.weight.split([64, 64])
+    assert torch.equal(gate, full["model.layers.1.mlp.gate_proj.weight"][64:])
+    assert torch.equal(up, full["model.layers.1.mlp.up_proj.weight"][64:])
     assert torch.equal(attn.o_proj.weight, full["model.layers.0.self_attn.o_proj.weight"][:, 32:])
     assert torch.equal(
         model.model.layers[1].mlp.down_proj.weight, full["model.layers.1.mlp.down_proj.weight"][:, 64:]

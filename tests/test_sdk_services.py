@@ -61,6 +61,7 @@ def test_generate_stream_and_async_agree_with_plain_decoding(sdk_stack: Stack, c
     # Greedy speculative decoding is lossless: plain decoding (k=0) gives the same tokens.
     plain = client.generate(PROMPT, max_new_tokens=24, ignore_eos=True, num_speculative_tokens=0)
     assert plain.token_ids == result.token_ids and plain.usage.drafted_tokens == 0
+    assert plain.usage.acceptance_rate == 0.0  # a float even when nothing was drafted
 
     with client.stream(PROMPT, max_new_tokens=24, ignore_eos=True) as stream:
         deltas = list(stream)
@@ -176,12 +177,78 @@ def test_invalid_arguments_name_the_field(client: Client) -> None:
         assert error.value.field == field, error.value
     with pytest.raises(specsplit.InvalidRequestError) as error:
         client.generate([10_000_000])
-    assert error.value.field == "token_ids"
+    assert error.value.field == "token_ids" and len(error.value.request_id or "") == 32  # the SDK's uuid
+    with pytest.raises(specsplit.InvalidRequestError) as error:
+        client.generate(PROMPT, max_new_tokens=0, request_id="bad-request")
+    assert error.value.request_id == "bad-request" and "request bad-request" in str(error.value)
+
+
+def test_call_mistakes_never_reach_the_server(sdk_stack: Stack, client: Client) -> None:
+    """Each of these ran before as something else (128 tokens, no stops, stops 'a' and 's', ids [104,
+    105]); now each is a TypeError and the server sees no request."""
+    finished = sdk_stack.target.metric(FINISHED)
+    mistakes: list[tuple[object, dict[str, object]]] = [
+        (PROMPT, {"max_tokens": 5}),
+        (PROMPT, {"stop": ["a"]}),
+        (PROMPT, {"stop_strings": "as"}),
+        (b"hi", {}),
+    ]
+    for prompt, options in mistakes:
+        with pytest.raises(TypeError):
+            client.generate(prompt, **options)  # type: ignore[arg-type]
+
+    async def via_async() -> None:
+        async with AsyncClient(sdk_stack.target.address) as aclient:
+            for prompt, options in mistakes:
+                with pytest.raises(TypeError):
+                    await aclient.generate(prompt, **options)  # type: ignore[arg-type]
+
+    asyncio.run(via_async())
+    # The right spellings work (ignore_eos: a stop must not end it first).
+    result = client.generate(PROMPT, max_new_tokens=5, ignore_eos=True, stop_strings=["\x00never"])
+    assert len(result.token_ids) == 5
+    assert sdk_stack.target.metric(FINISHED) == finished + 1
+
+
+def test_async_client_built_outside_a_loop_serves_two_loops(sdk_stack: Stack, client: Client) -> None:
+    reference = client.generate(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids
+    aclient = AsyncClient(sdk_stack.target.address)  # no running loop: the channel comes later
+
+    async def use() -> list[int]:
+        return (await aclient.generate(PROMPT, max_new_tokens=6, ignore_eos=True)).token_ids
+
+    assert asyncio.run(use()) == reference
+    assert asyncio.run(use()) == reference  # a second loop gets its own channel
+
+    async def close_then_call() -> None:
+        await aclient.close()
+        with pytest.raises(specsplit.ClientClosedError):
+            await aclient.health()
+
+    asyncio.run(close_then_call())
+
+
+def test_calls_after_close_raise_client_closed_error(sdk_stack: Stack) -> None:
+    c = Client(sdk_stack.target.address)
+    assert c.health() == "SERVING"
+    c.close()
+    with pytest.raises(specsplit.ClientClosedError):
+        c.generate(PROMPT, max_new_tokens=2)
+    with pytest.raises(specsplit.ClientClosedError):
+        c.model_info()
 
 
 def test_deadline_exceeded(client: Client, sdk_stack: Stack, long_gen: GenerateOptions) -> None:
-    with pytest.raises(specsplit.DeadlineExceededError):
+    with pytest.raises(specsplit.DeadlineExceededError) as error:
         client.generate(PROMPT, timeout=0.3, **long_gen)
+    assert error.value.request_id
+    # The tokens streamed before the deadline stay on the exception: a prefix of the full generation.
+    with pytest.raises(specsplit.DeadlineExceededError) as error:
+        client.generate(PROMPT, timeout=3.0, request_id="slow", **long_gen)
+    partial = error.value.token_ids
+    assert error.value.request_id == "slow" and 0 < len(partial) < long_gen["max_new_tokens"]
+    wait_until(lambda: sdk_stack.target.metric(RUNNING) == 0, what="running_requests == 0")
+    assert client.generate(PROMPT, max_new_tokens=len(partial), ignore_eos=True).token_ids == partial
     with Client(sdk_stack.target.address, timeout=0.3) as short:  # the client default applies too
         with pytest.raises(specsplit.DeadlineExceededError):
             short.generate(PROMPT, **long_gen)

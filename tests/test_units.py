@@ -130,14 +130,14 @@ def test_draft_ahead_pauses_below_the_hit_rate_and_probes_again():
 
 def test_malformed_draft_proposals_are_dropped():
     from specsplit.v1 import draft_pb2
-    from target_service.scheduler import checked_proposal
+    from target_service.draft_session import Proposal, checked_proposal
 
     good = draft_pb2.Proposal(request_id=1, token_ids=[5, 6, 7], top_k=2, topk_ids=[5, 9, 6, 1, 7, 2],
                               topk_probs=[0.75, 0.25, 0.5, 0.5, 1.0, 0.0])  # fmt: skip
-    assert checked_proposal(good, 2) == ([5, 6], ([5, 9, 6, 1], [0.75, 0.25, 0.5, 0.5], 2))
-    assert checked_proposal(draft_pb2.Proposal(token_ids=[3, 4]), 4) == ([3, 4], None)  # greedy: one-hot q
-    assert checked_proposal(None, 4) == ([], None)
-    assert checked_proposal(good, 0) == ([], None)
+    assert checked_proposal(good, 2) == Proposal([5, 6], [5, 9, 6, 1], [0.75, 0.25, 0.5, 0.5], 2)
+    assert checked_proposal(draft_pb2.Proposal(token_ids=[3, 4]), 4) == Proposal([3, 4])  # greedy: one-hot q
+    assert checked_proposal(None, 4) == Proposal([])
+    assert checked_proposal(good, 0) == Proposal([])
     bad = [
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[5, 9], topk_probs=[1.0]),  # lengths differ
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[8, 9], topk_probs=[0.5, 0.5]),  # token not in q
@@ -145,7 +145,7 @@ def test_malformed_draft_proposals_are_dropped():
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[5, 9], topk_probs=[float("nan"), 1.0]),
     ]
     for p in bad:
-        assert checked_proposal(p, 4) == ([], None), p
+        assert checked_proposal(p, 4) == Proposal([]), p
 
 
 @pytest.mark.parametrize("byte_level", [False, True])

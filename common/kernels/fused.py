@@ -1,15 +1,18 @@
-"""Fused elementwise kernels for the GPU forward: RMSNorm and rotary embeddings.
+"""Fused kernels for the GPU forward: (residual-add +) RMSNorm, SiLU-and-mul, rotary + KV-cache write,
+and decode / verify attention over the live KV of each row (split-KV, flash-decoding style).
 
-In eager PyTorch each is a chain of 6-8 small kernels (upcast, square, mean, rsqrt, scale, downcast,
-weight; split, negate, concat, two products, sum, downcast). A 28-layer model runs four norms and two
-rotations per layer, so at small batch these launches, not the weights, set the step time. Each Triton
-kernel here does one pass. The torch references are the CPU path of the model (common/layers/) and the
-tests compare the two.
+In eager PyTorch each is a chain of small kernels (upcast, square, mean, rsqrt, scale, downcast, weight;
+split, negate, concat, products, index_put; gather of the cache, two matmuls, mask, softmax). At small
+batch these launches and the copies, not the weights, set the step time. Each Triton kernel here does
+one pass. The torch references beside them are the CPU path of the model (common/layers/,
+common/models/transformer.py) and tests/test_fused_kernels.py compares the two.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import triton
@@ -18,22 +21,65 @@ from torch import Tensor
 
 # SPECSPLIT_FUSED_KERNELS=0 falls back to the torch references on the GPU too (for A/B comparisons).
 ENABLED = os.environ.get("SPECSPLIT_FUSED_KERNELS", "1") != "0"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_SM_COUNT: dict[torch.device, int] = {}
+# Split count for attention calls outside CUDA graphs (see `eager_shapes`); None: chosen per shape.
+_EAGER_SPLITS: list[int | None] = [None]
+
+
+@contextmanager
+def eager_shapes() -> Iterator[None]:
+    """For eager forwards of any shape (a prefill, a draft's catch-up over several tokens).
+
+    The attention kernel's split count is a `tl.constexpr` chosen from (B, L, ctx_len): graphed steps
+    have a few static shapes, all compiled at start-up, but eager forwards would compile a new variant
+    for almost every new prompt length (~0.1-1 s each) in the middle of serving. Inside this context one
+    split is used, so the variants reduce to the block size and the integer specialisations of L, all of
+    which the services compile at start-up (`warm_eager_shapes`).
+    """
+    old = _EAGER_SPLITS[0]
+    _EAGER_SPLITS[0] = 1
+    try:
+        yield
+    finally:
+        _EAGER_SPLITS[0] = old
+
+
+# (batch, length) pairs whose eager forwards compile every kernel variant `eager_shapes` can use: the
+# attention block sizes (group * L up to 16, 32, 64 and more) and Triton's integer specialisations of
+# L and B * L (1, a multiple of 16, anything else).
+EAGER_WARM_SHAPES = ((1, 1), (1, 2), (1, 3), (1, 7), (1, 16), (1, 33), (2, 8), (3, 3), (2, 1), (16, 1))
+
+
+def on_gpu(x: Tensor) -> bool:
+    """Whether the model runs these kernels for x (else the torch references: the CPU path)."""
+    return x.is_cuda and ENABLED
 
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [rows, dim] any float dtype, row stride `stride`
+    res_ptr,  # [rows, dim] residual, row stride `res_stride` (read only when HAS_RESIDUAL)
     w_ptr,  # [dim] weight, same dtype as x
     out_ptr,  # [rows, dim] contiguous, x's dtype
+    res_out_ptr,  # [rows, dim] contiguous: x + residual in x's dtype (written only when HAS_RESIDUAL)
     stride,
+    res_stride,
     dim,
     eps,
+    HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
     x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        # The residual add rounds to the model dtype first, as `x + residual` does in eager PyTorch.
+        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        x = (x + r).to(out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * dim + cols, x, mask=mask)
+        x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
     # As the reference: normalise in fp32, round to x's dtype, then multiply by the weight in that dtype.
     y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -41,17 +87,32 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * dim + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _rows(x: Tensor) -> Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [..., dim], weight [dim] -> [..., dim] in x's dtype (one kernel)."""
     dim = x.shape[-1]
-    x2 = x.reshape(-1, dim)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     out = torch.empty((x2.shape[0], dim), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, weight, out, x2.stride(0), dim, eps,
-                                         BLOCK=triton.next_power_of_2(dim))  # fmt: skip
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), x2.stride(0), dim, eps,
+                                         HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(dim))  # fmt: skip
     return out.view(x.shape)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """x, residual [..., dim] -> (rms_norm(x + residual), x + residual), both in x's dtype (one kernel)."""
+    dim = x.shape[-1]
+    x2, r2 = _rows(x), _rows(residual)
+    out = torch.empty((x2.shape[0], dim), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), dim, eps,
+                                         HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(dim))  # fmt: skip
+    return out.view(x.shape), res_out.view(x.shape)
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -60,45 +121,9 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-@triton.jit
-def _rotary_kernel(
-    x_ptr,  # [tokens, heads, head_dim] contiguous
-    cos_ptr,  # [tokens, head_dim] fp32 contiguous
-    sin_ptr,  # [tokens, head_dim] fp32 contiguous
-    out_ptr,  # [tokens, heads, head_dim] x's dtype
-    heads,
-    HALF: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    token = tl.program_id(0)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK)
-    mask = d < HALF
-    base = (token * heads + head) * (2 * HALF)
-    x1 = tl.load(x_ptr + base + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + base + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
-    c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
-    s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
-    s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
-    # rotate-half: [x1, x2] -> [x1 * c1 - x2 * s1, x2 * c2 + x1 * s2]
-    tl.store(out_ptr + base + d, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + base + HALF + d, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, L, heads, head_dim]; cos, sin [B, L, 1, head_dim] fp32 -> rotated x (one kernel)."""
-    bsz, seq, heads, head_dim = x.shape
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    tokens = bsz * seq
-    if tokens:
-        cos2 = cos.reshape(tokens, head_dim).contiguous()
-        sin2 = sin.reshape(tokens, head_dim).contiguous()
-        half = head_dim // 2
-        _rotary_kernel[(tokens, heads)](x, cos2, sin2, out, heads, HALF=half,
-                                        BLOCK=triton.next_power_of_2(half))  # fmt: skip
-    return out
+def add_rms_norm_reference(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    summed = x + residual
+    return rms_norm_reference(summed, weight, eps), summed
 
 
 def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -106,3 +131,328 @@ def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = xf.shape[-1] // 2
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
     return (xf * cos + rotated * sin).to(x.dtype)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    x_ptr,  # [rows, 2 * n]: [gate | up], row stride `stride`
+    out_ptr,  # [rows, n] contiguous, x's dtype
+    stride,
+    n,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    gate = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride + n + cols, mask=mask, other=0.0).to(tl.float32)
+    # Round silu(gate) to the model dtype before the product, as the two eager ops do.
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * n + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """x [..., 2 * n] = [gate | up] -> silu(gate) * up [..., n] (one kernel)."""
+    n = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block)
+    return out.view(*x.shape[:-1], n)
+
+
+def silu_and_mul_reference(x: Tensor) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@triton.jit
+def _rotary_cache_kernel(
+    q_ptr,  # [tokens, num_heads, head_dim], token stride q_stride, heads contiguous
+    k_ptr,  # [tokens, num_kv_heads, head_dim], token stride k_stride
+    v_ptr,  # [tokens, num_kv_heads, head_dim], token stride v_stride
+    cos_ptr,  # [tokens, head_dim] fp32 contiguous
+    sin_ptr,  # [tokens, head_dim] fp32 contiguous
+    pos_ptr,  # [tokens] int64 (row-major [B, L])
+    slot_ptr,  # [B] int64
+    q_out_ptr,  # [tokens, num_heads, head_dim] contiguous, q's dtype
+    k_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
+    v_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
+    q_stride,
+    k_stride,
+    v_stride,
+    seq_len,
+    num_heads,
+    num_kv_heads,
+    max_len,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # [0, num_heads): a query head; [num_heads, num_heads + num_kv_heads): K and V
+    d = tl.arange(0, BLOCK)
+    mask = d < HALF
+    c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
+    c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
+    s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
+    s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
+    if head < num_heads:
+        src = q_ptr + token * q_stride + head * 2 * HALF
+        dst = q_out_ptr + (token * num_heads + head) * 2 * HALF
+    else:
+        kv_head = head - num_heads
+        pos = tl.load(pos_ptr + token)
+        slot = tl.load(slot_ptr + token // seq_len)
+        cache_off = ((slot * max_len + pos) * num_kv_heads + kv_head) * 2 * HALF
+        src = k_ptr + token * k_stride + kv_head * 2 * HALF
+        dst = k_cache_ptr + cache_off
+        v_src = v_ptr + token * v_stride + kv_head * 2 * HALF
+        tl.store(v_cache_ptr + cache_off + d, tl.load(v_src + d, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + cache_off + HALF + d, tl.load(v_src + HALF + d, mask=mask), mask=mask)
+    x1 = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + d, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=mask)
+
+
+def rotary_and_cache(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> Tensor:
+    """Rotates q and k and writes k, v into the cache at (slots[b], positions[b, l]); returns rotated q.
+
+    q [B, L, H, D], k, v [B, L, Hkv, D] (views into one qkv output are fine: only the last two dims
+    must be contiguous); cos, sin [B, L, 1, D] fp32; positions [B, L]; slots [B]. One kernel.
+    """
+    bsz, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    tokens = bsz * seq
+    out = torch.empty((bsz, seq, heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens:
+        for t in (q, k, v):
+            assert t.stride(-1) == 1 and t.stride(-2) == head_dim and t.stride(0) == seq * t.stride(1)
+        half = head_dim // 2
+        _rotary_cache_kernel[(tokens, heads + kv_heads)](
+            q, k, v, cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous(),
+            positions.reshape(tokens).contiguous(), slots, out, k_cache, v_cache,
+            q.stride(1), k.stride(1), v.stride(1), seq, heads, kv_heads, k_cache.shape[1],
+            HALF=half, BLOCK=triton.next_power_of_2(half),
+        )  # fmt: skip
+    return out
+
+
+def rotary_and_cache_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> Tensor:
+    rows = slots.unsqueeze(1)
+    k_cache[rows, positions] = apply_rotary_reference(k, cos, sin)
+    v_cache[rows, positions] = v
+    return apply_rotary_reference(q, cos, sin)
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr,  # [B, L, num_heads, head_dim] contiguous
+    k_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
+    v_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
+    pos_ptr,  # [B, L] int64 contiguous, non-decreasing along L
+    slot_ptr,  # [B] int64
+    out_ptr,  # SPLITS == 1: [B, L, num_heads, head_dim] q's dtype; else fp32 [B, L, heads, SPLITS, head_dim]
+    lse_ptr,  # fp32 [B, L, num_heads, SPLITS] log2-sum-exp of each split (only when SPLITS > 1)
+    qk_scale,  # softmax scale * log2(e)
+    seq_len,
+    num_heads,
+    num_kv_heads,
+    max_len,
+    chunk,  # keys per split, a multiple of BLOCK_N
+    GROUP: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16/fp16 tl.dot is wrong: upcast there
+):
+    # One program: the GROUP * L query rows of one (row b, KV head) that fall in block `pid(1)`, against
+    # the keys of split `pid(2)`. GQA without repeating K/V: the group's query heads are extra rows.
+    b = tl.program_id(0) // num_kv_heads
+    kv_head = tl.program_id(0) % num_kv_heads
+    split = tl.program_id(2)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = m < GROUP * seq_len
+    tok = m % seq_len
+    head = kv_head * GROUP + m // seq_len
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q_off = ((b * seq_len + tok) * num_heads + head).to(tl.int64) * HEAD_DIM
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    q_pos = tl.load(pos_ptr + b * seq_len + tok, mask=m_valid, other=-1)
+    # Only the live keys: none past the last query position of this block (reads no stale or empty KV).
+    start = split * chunk
+    end = tl.minimum(start + chunk, tl.max(q_pos, axis=0) + 1)
+    slot = tl.load(slot_ptr + b)
+    kv_base = slot * max_len * num_kv_heads * HEAD_DIM + kv_head * HEAD_DIM
+    row_stride = num_kv_heads * HEAD_DIM
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = n < end
+        kv_off = kv_base + n.to(tl.int64)[:, None] * row_stride + d[None, :]
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(n_valid[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep zeros
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    row = (b * seq_len + tok) * num_heads + head
+    if SPLITS == 1:
+        tl.store(out_ptr + row.to(tl.int64)[:, None] * HEAD_DIM + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])  # fmt: skip
+    else:
+        part = row.to(tl.int64) * SPLITS + split
+        tl.store(
+            out_ptr + part[:, None] * HEAD_DIM + d[None, :], out, mask=m_valid[:, None] & d_valid[None, :]
+        )
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + part, lse, mask=m_valid)
+
+
+@triton.jit
+def _attention_combine_kernel(
+    part_ptr,  # fp32 [rows, SPLITS, head_dim]: each split's normalised output
+    lse_ptr,  # fp32 [rows, SPLITS]
+    out_ptr,  # [rows, head_dim] q's dtype
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_valid = s < SPLITS
+    lse = tl.load(lse_ptr + row * SPLITS + s, mask=s_valid, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds key 0, so the max is finite
+    parts = tl.load(part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+                    mask=s_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
+    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _num_splits(q: Tensor, programs: int, ctx_len: int, block_n: int) -> int:
+    """Split the keys (flash-decoding) until about two waves of programs fill the GPU."""
+    if q.device not in _SM_COUNT:
+        _SM_COUNT[q.device] = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        )
+    want = triton.cdiv(2 * _SM_COUNT[q.device], programs)
+    return max(1, min(want, triton.cdiv(ctx_len, 2 * block_n)))
+
+
+def attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    ctx_len: int,
+    scale: float,
+    num_splits: int | None = None,
+) -> Tensor:
+    """Causal attention of q [B, L, H, D] (rotated) over the cached keys of each row's slot.
+
+    A query at position p sees keys 0..p of its slot; keys at or past ctx_len are never read, nor keys
+    past the last query position of a block (the live KV). Static shapes per (B, L, ctx_len): the split
+    count depends only on them, so the call is CUDA-graph capturable. Returns [B, L, H, D] in q's dtype.
+    """
+    bsz, seq, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    block_m = max(16, min(64, triton.next_power_of_2(group * seq)))
+    block_n = 64
+    m_blocks = triton.cdiv(group * seq, block_m)
+    splits = num_splits or _EAGER_SPLITS[0] or _num_splits(q, bsz * kv_heads * m_blocks, ctx_len, block_n)
+    chunk = triton.cdiv(triton.cdiv(ctx_len, splits), block_n) * block_n
+    splits = triton.cdiv(ctx_len, chunk)
+    q = q.contiguous()
+    positions = positions.contiguous()
+    out = torch.empty_like(q)
+    if splits == 1:
+        part, lse = out, out  # lse unused
+    else:
+        part = torch.empty((bsz, seq, heads, splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((bsz, seq, heads, splits), dtype=torch.float32, device=q.device)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _attention_kernel[(bsz * kv_heads, m_blocks, splits)](
+        q, k_cache, v_cache, positions, slots, part, lse, scale * 1.4426950408889634,
+        seq, heads, kv_heads, k_cache.shape[1], chunk,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
+        PRECISION=precision, DOT_FP32=_INTERPRETED,
+    )  # fmt: skip
+    if splits > 1:
+        _attention_combine_kernel[(bsz * seq * heads,)](
+            part, lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits),
+        )  # fmt: skip
+    return out
+
+
+def attention_reference(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    ctx_len: int,
+    scale: float,
+    num_splits: int | None = None,
+) -> Tensor:
+    """The same attention in eager torch: gather the slots' first ctx_len keys, mask by position."""
+    bsz, seq, heads, head_dim = q.shape
+    nkv = k_cache.shape[2]
+    group = heads // nkv
+    keys = k_cache[:, :ctx_len][slots]  # [B, ctx, nkv, hd]
+    values = v_cache[:, :ctx_len][slots]
+    key_pos = torch.arange(ctx_len, device=q.device)
+    mask = (key_pos <= positions.unsqueeze(-1))[:, None, None]  # [B, 1, 1, L, ctx]
+    # GQA without repeating K/V: the `group` query heads of one KV head become extra query rows.
+    q = q.view(bsz, seq, nkv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(bsz, nkv, group * seq, head_dim)
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * scale
+    scores = scores.view(bsz, nkv, group, seq, ctx_len).masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(values.dtype).view(bsz, nkv, group * seq, ctx_len)
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, nkv, group * seq, hd]
+    return out.view(bsz, nkv, group, seq, head_dim).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads, head_dim)

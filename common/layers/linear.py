@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.distributed import Comm
-from common.layers.shard import divide, set_shard
+from common.layers.shard import MergedPart, ShardSpec, divide, set_merged_shards, set_shard
 
 
 class ColumnParallelLinear(nn.Module):
@@ -53,3 +53,58 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.comm.all_reduce(F.linear(x, self.weight), self.site)
+
+
+class MergedColumnParallelLinear(nn.Module):
+    """Several column-parallel projections of the same input in one GEMM (gate_up_proj, qkv_proj).
+
+    Rank r holds [part_0 shard r; part_1 shard r; ...] along the output dim, so the local output splits
+    into the local shards of each part with no collective. Each part is still loaded from its own
+    checkpoint tensor (`merged_parts`, see common/layers/shard.py).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        part_sizes: list[int],
+        part_names: list[str],
+        comm: Comm,
+        bias: bool = False,
+        dtype=None,
+        device=None,
+    ):
+        super().__init__()
+        self.comm = comm
+        self.local_sizes = [
+            divide(n, comm.world_size, f"output features of {name} ({in_features}x{n})")
+            for n, name in zip(part_sizes, part_names)
+        ]
+        total = sum(self.local_sizes)
+        self.weight = nn.Parameter(
+            torch.empty(total, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(total, dtype=dtype, device=device), requires_grad=False)
+        for param, full_tail in ((self.weight, (in_features,)), (self.bias, ())):
+            if param is None:
+                continue
+            parts, offset = [], 0
+            for name, full, local in zip(part_names, part_sizes, self.local_sizes):
+                spec = ShardSpec((full, *full_tail), dim=0, start=comm.rank * local, size=local)
+                parts.append(MergedPart(name, offset, spec))
+                offset += local
+            set_merged_shards(param, parts)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections in one GEMM; the local output is [q heads | k heads | v heads] of this rank."""
+
+    def __init__(
+        self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, comm: Comm, bias: bool, **kw
+    ):
+        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
+        super().__init__(hidden, sizes, ["q_proj", "k_proj", "v_proj"], comm, bias, **kw)

@@ -7,8 +7,6 @@ import math
 import torch
 from torch import Tensor, nn
 
-from common.kernels import fused
-
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -48,10 +46,3 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
         return emb.cos(), emb.sin()
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, L, heads, head_dim]; rotation in fp32, result in x's dtype (one fused kernel on the GPU)."""
-    if x.is_cuda and fused.ENABLED:
-        return fused.apply_rotary(x, cos, sin)
-    return fused.apply_rotary_reference(x, cos, sin)

@@ -1,9 +1,13 @@
 """Decoder-only transformer for the Llama / Qwen2 / Qwen3 family, tensor-parallel inside.
 
-Parameter names match the Hugging Face checkpoints (model.layers.N.self_attn.q_proj.weight, ...), so the
-loader maps them one to one. One forward serves prefill, one-token decode and (k+1)-token verification:
-each row writes its new K/V into its cache slot at its positions, then attends over cache[:, :ctx_len]
-with a causal mask by absolute position. No host syncs, static shapes per (B, L, ctx_len).
+Parameter names match the Hugging Face checkpoints (model.layers.N.self_attn.o_proj.weight, ...), except
+the merged projections qkv_proj (q_proj, k_proj, v_proj) and gate_up_proj (gate_proj, up_proj), which the
+loader fills part by part (common/layers/shard.py). One forward serves prefill, one-token decode and
+(k+1)-token verification: each row writes its new K/V into its cache slot at its positions, then attends
+over its slot's keys up to its own position. No host syncs, static shapes per (B, L, ctx_len).
+
+On the GPU a layer is: add+RMSNorm, qkv GEMM, rotary+KV write, attention, o_proj, add+RMSNorm, gate_up
+GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py); on the CPU the torch references of the same.
 """
 
 from __future__ import annotations
@@ -11,17 +15,17 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.config import ModelConfig
 from common.distributed import Comm
+from common.kernels import fused
 from common.kv_cache import KVCache
-from common.layers.linear import ColumnParallelLinear, RowParallelLinear
+from common.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from common.layers.logits import LogitsProcessor, top_tokens
 from common.layers.markov import MarkovHead
 from common.layers.norm import RMSNorm
-from common.layers.rotary import RotaryEmbedding, apply_rotary
+from common.layers.rotary import RotaryEmbedding
 from common.layers.shard import divide, set_shard
 from common.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -33,14 +37,16 @@ class Attention(nn.Module):
         self.head_dim = hd
         self.num_heads = divide(cfg.num_attention_heads, comm.world_size, "num_attention_heads")
         self.num_kv_heads = divide(cfg.num_key_value_heads, comm.world_size, "num_key_value_heads")
-        self.q_proj = ColumnParallelLinear(
-            cfg.hidden_size, cfg.num_attention_heads * hd, comm, cfg.attention_bias, **kw
-        )
-        self.k_proj = ColumnParallelLinear(
-            cfg.hidden_size, cfg.num_key_value_heads * hd, comm, cfg.attention_bias, **kw
-        )
-        self.v_proj = ColumnParallelLinear(
-            cfg.hidden_size, cfg.num_key_value_heads * hd, comm, cfg.attention_bias, **kw
+        self.scale = 1.0 / math.sqrt(hd)
+        # One GEMM for q, k and v: this rank's [q heads | k heads | v heads].
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            hd,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            comm,
+            cfg.attention_bias,
+            **kw,
         )
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * hd, cfg.hidden_size, comm, "attn_out", **kw)
         if cfg.qk_norm:
@@ -52,7 +58,6 @@ class Attention(nn.Module):
         self,
         x: Tensor,
         rope: tuple[Tensor, Tensor],
-        mask: Tensor,
         slots: Tensor,
         positions: Tensor,
         k_cache: Tensor,
@@ -60,40 +65,33 @@ class Attention(nn.Module):
         ctx_len: int,
     ) -> Tensor:
         bsz, seq, _ = x.shape
-        hd, nkv = self.head_dim, self.num_kv_heads
-        group = self.num_heads // nkv
-        q = self.q_proj(x).view(bsz, seq, self.num_heads, hd)
-        k = self.k_proj(x).view(bsz, seq, nkv, hd)
-        v = self.v_proj(x).view(bsz, seq, nkv, hd)
+        hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(bsz, seq, nh + 2 * nkv, hd)
+        q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # views: the fused kernel reads them in place
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-
-        rows = slots.unsqueeze(1)
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
-        keys = k_cache[:, :ctx_len][slots]  # [B, ctx, nkv, hd]
-        values = v_cache[:, :ctx_len][slots]
-
-        # GQA without repeating K/V: the `group` query heads of one KV head become extra query rows.
-        q = q.view(bsz, seq, nkv, group, hd).permute(0, 2, 3, 1, 4).reshape(bsz, nkv, group * seq, hd)
-        scores = torch.matmul(q, keys.permute(0, 2, 3, 1)).float() * (1.0 / math.sqrt(hd))
-        scores = scores.view(bsz, nkv, group, seq, ctx_len).masked_fill(~mask, float("-inf"))
-        probs = scores.softmax(-1).to(values.dtype).view(bsz, nkv, group * seq, ctx_len)
-        out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, nkv, group * seq, hd]
-        out = out.view(bsz, nkv, group, seq, hd).permute(0, 3, 1, 2, 4).reshape(bsz, seq, self.num_heads * hd)
-        return self.o_proj(out)
+        gpu = fused.on_gpu(x)
+        # Rotary on q and k and the K/V cache write in one kernel; then attention over the live KV only.
+        rotary_and_cache = fused.rotary_and_cache if gpu else fused.rotary_and_cache_reference
+        q = rotary_and_cache(q, k, v, *rope, positions, slots, k_cache, v_cache)
+        attend = fused.attention if gpu else fused.attention_reference
+        out = attend(q, k_cache, v_cache, slots, positions, ctx_len, self.scale)
+        return self.o_proj(out.reshape(bsz, seq, nh * hd))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Comm, **kw):
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, comm, **kw)
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, comm, **kw)
+        # One GEMM for gate and up: this rank's [gate shard | up shard].
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, ["gate_proj", "up_proj"], comm, **kw
+        )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, comm, "mlp_out", **kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        act = fused.silu_and_mul(gate_up) if fused.on_gpu(x) else fused.silu_and_mul_reference(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -104,9 +102,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg, comm, **kw)
 
-    def forward(self, x: Tensor, *attn_args) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, *attn_args) -> tuple[Tensor, Tensor]:
+        """(x, residual) -> (this layer's MLP output, residual stream before it). The residual add of
+        each block is fused into the next norm (vLLM style): the stream is x + residual."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, *attn_args)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderStack(nn.Module):
@@ -172,13 +177,10 @@ class Transformer(nn.Module):
         continuing past the real ones, < cache.max_len) write harmless KV beyond the valid length.
         """
         rope = self.rotary(positions)
-        key_pos = torch.arange(ctx_len, device=positions.device)
-        # [B, 1, 1, L, ctx]: broadcast over KV heads and the query heads of a group
-        mask = (key_pos <= positions.unsqueeze(-1))[:, None, None]
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rope, mask, slots, positions, cache.k[i], cache.v[i], ctx_len)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, slots, positions, cache.k[i], cache.v[i], ctx_len)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor, prev_token_ids: Tensor | None = None) -> Tensor:
         """[N, H] -> fp32 [N, V_head] logits over the LM head's vocab (the draft vocab when d2t is set):

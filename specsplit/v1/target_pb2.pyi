@@ -57,6 +57,7 @@ class GenerateRequest(_message.Message):
     STOP_STRINGS_FIELD_NUMBER: _builtins.int
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional client-chosen id (used by Abort); the server assigns one if empty."""
     text: _builtins.str
@@ -66,6 +67,11 @@ class GenerateRequest(_message.Message):
     """Number of speculative tokens for this request; unset means the server default."""
     ignore_eos: _builtins.bool
     """Do not stop at the model's EOS token."""
+    logprobs: _builtins.int
+    """Set: every response carries the log-probability of each emitted token plus
+    the `logprobs` most likely alternatives (0 = the emitted token's only).
+    Signed so that a negative value gets a clear error.
+    """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -93,15 +99,20 @@ class GenerateRequest(_message.Message):
         stop_strings: _abc.Iterable[_builtins.str] | None = ...,
         num_speculative_tokens: _builtins.int | None = ...,
         ignore_eos: _builtins.bool = ...,
+        logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "messages", b"messages", "num_speculative_tokens", b"num_speculative_tokens", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_num_speculative_tokens", b"_num_speculative_tokens", "logprobs", b"logprobs", "messages", b"messages", "num_speculative_tokens", b"num_speculative_tokens", "prompt", b"prompt", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens", "ignore_eos", b"ignore_eos", "max_new_tokens", b"max_new_tokens", "messages", b"messages", "num_speculative_tokens", b"num_speculative_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_num_speculative_tokens", b"_num_speculative_tokens", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_new_tokens", b"max_new_tokens", "messages", b"messages", "num_speculative_tokens", b"num_speculative_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stop_strings", b"stop_strings", "stop_token_ids", b"stop_token_ids", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__num_speculative_tokens: _TypeAlias = _typing.Literal["num_speculative_tokens"]  # noqa: Y015
     _WhichOneofArgType__num_speculative_tokens: _TypeAlias = _typing.Literal["_num_speculative_tokens", b"_num_speculative_tokens"]  # noqa: Y015
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids", "messages"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__num_speculative_tokens) -> _WhichOneofReturnType__num_speculative_tokens | None: ...
     @_typing.overload
@@ -205,6 +216,43 @@ class Usage(_message.Message):
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
+class TokenLogprob(_message.Message):
+    """Log-probabilities from the distribution the token was drawn from: the
+    target's logits divided by the temperature, with top-k/top-p applied
+    (greedy: temperature 1, no truncation), as vLLM's processed logprobs.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    @_builtins.property
+    def top_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The most likely tokens, most likely first (ids and log-probabilities)."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        top_logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id", "top_logprobs", b"top_logprobs", "top_token_ids", b"top_token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
 class GenerateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -213,6 +261,7 @@ class GenerateResponse(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     """Text for those tokens, when the target has a tokenizer (may be empty while
@@ -226,6 +275,10 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def usage(self) -> Global___Usage: ...
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """One per token in `token_ids` when the request set `logprobs`."""
+
     def __init__(
         self,
         *,
@@ -234,10 +287,11 @@ class GenerateResponse(_message.Message):
         text: _builtins.str = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
