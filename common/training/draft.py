@@ -21,6 +21,7 @@ from torch import nn
 from common.config import DTYPES, ModelConfig
 from common.distributed import Comm
 from common.draft_checkpoint import SHARED_WEIGHTS_KEY
+from common.layers.shard import checkpoint_parts
 from common.models.transformer import Transformer
 
 SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.")
@@ -79,21 +80,12 @@ def build_draft(
     return draft
 
 
-def _checkpoint_parts(name: str, param: nn.Parameter) -> list:
-    """(checkpoint name, tensor with .data and .shard) pairs: merged qkv / gate_up parameters split back
-    into the checkpoint's own q/k/v and gate/up tensors, where the model merges them."""
-    try:
-        from common.layers.shard import checkpoint_parts
-    except ImportError:  # a model without merged parameters
-        return [(name, param)]
-    return checkpoint_parts(name, param)
-
-
 def own_tensors(model: nn.Module, include_shared: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The draft's tensors to write, by checkpoint name and shape (vocab padding cut off), in `dtype`."""
+    """The draft's tensors to write, by checkpoint name and shape (vocab padding cut off), in `dtype`;
+    merged qkv / gate_up parameters split back into the checkpoint's own q/k/v and gate/up tensors."""
     out = {}
     for param_name, param in model.named_parameters():
-        for name, part in _checkpoint_parts(param_name, param):
+        for name, part in checkpoint_parts(param_name, param):
             if is_shared(name) and not include_shared:
                 continue
             spec, t = part.shard, part.data.detach()
