@@ -16,6 +16,7 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.distributed import Comm
+from common.draft_checkpoint import with_shared_weights
 from common.gguf import GGUFCheckpoint, find_gguf, open_gguf
 from common.layers.shard import checkpoint_parts
 from common.models.transformer import Transformer
@@ -132,6 +133,8 @@ def load_model(
         )  # fail before reading weights
     config, files = open_checkpoint(path)
     model = Transformer(config, comm, markov_head_mode, replicate_lm_head, dtype, device)
+    # A trained draft stores only its own tensors and reads the shared ones from its target.
+    files = with_shared_weights(path, files)
     params = list(model.named_parameters())
     for i, (name, param) in enumerate(params):
         for part_name, part in checkpoint_parts(name, param):  # merged qkv / gate_up: one per part

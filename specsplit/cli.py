@@ -39,6 +39,7 @@ DISPATCH = {
     "make-tiny-model": ("common.tiny", "make a tiny random checkpoint for tests and demos"),
     "serve-draft": ("draft_service.__main__", "run the draft service"),
     "serve-target": ("target_service.__main__", "run the target service"),
+    "train-draft": ("common.training.train_draft", "distil a draft (layers + Markov head) for a target"),
     "demo": ("specsplit.demo", "run both services on CPU with tiny models and stream a generation"),
 }
 
