@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if (TRAINED_DRAFT / "config.json").is_file():
             target_dir, draft_dir = smollm2_gguf(), TRAINED_DRAFT
-            say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (trained by specsplit train-draft)")
+            say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (made by specsplit train-draft)")
         else:
             target_dir, draft_dir = make_smollm2_models(models)
             say(f"target: {target_dir.name} (fp32). draft: its first {len(DEMO_DRAFT_LAYERS)} layers + its "
