@@ -15,6 +15,7 @@ import grpc
 
 from common.aio_front import StreamOut
 from common.metrics import ServiceMetrics
+from common.tokenizer import ChatTemplateError
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.detok import StreamDetokenizer
@@ -22,7 +23,7 @@ from target_service.logprobs import MAX_LOGPROBS
 from target_service.scheduler import NotAccepting, QueueFull, Request, Scheduler
 
 MAX_REQUEST_ID = 128
-INLINE_TEXT = 4096  # longer text prompts are tokenized off the event loop
+INLINE_TEXT = 4096  # longer text prompts (and chat templates) are tokenized off the event loop
 
 
 class InvalidRequest(Exception):
@@ -56,11 +57,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _prompt(self, request: target_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
         if which is None:
-            raise InvalidRequest("prompt: give text or token_ids")
+            raise InvalidRequest("prompt: give text, token_ids or messages")
         if which == "text":
             if not request.text:
                 raise InvalidRequest("text: empty prompt")
             ids = list(self.tokenizer.encode(request.text))
+        elif which == "messages":
+            ids = self._chat_prompt(request.messages.messages)
         else:
             ids = list(request.token_ids.ids)
             bad = [t for t in ids if t >= self.vocab_size]
@@ -71,6 +74,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not ids:
             raise InvalidRequest(f"{which}: empty prompt")
         return ids
+
+    def _chat_prompt(self, messages) -> list[int]:
+        """The model's chat template over `messages`, with the assistant-turn opener."""
+        if not messages:
+            raise InvalidRequest("messages: empty conversation")
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise InvalidRequest(f"messages[{i}].role: required")
+        try:
+            return list(
+                self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+            )
+        except ChatTemplateError as exc:
+            raise InvalidRequest(str(exc)) from exc
 
     def build_request(self, request: target_pb2.GenerateRequest) -> Request:
         cfg = self.config
@@ -173,7 +190,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
         out = StreamOut(asyncio.get_running_loop(), self.config.max_stream_backlog, on_overflow)
         try:
-            if request.HasField("text") and len(request.text) > INLINE_TEXT:
+            which = request.WhichOneof("prompt")
+            if which == "messages" or (which == "text" and len(request.text) > INLINE_TEXT):
                 req = await asyncio.to_thread(self._admit, request, out)
             else:
                 req = self._admit(request, out)
