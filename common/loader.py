@@ -1,4 +1,4 @@
-"""Loads a Hugging Face-format checkpoint directory into a tensor-parallel `Transformer`.
+"""Loads a Hugging Face-format checkpoint directory (or a GGUF file, common.gguf) into a TP `Transformer`.
 
 Each parameter knows which slice of the full checkpoint tensor its rank holds (`param.shard`), and only
 that slice is read (safe_open + get_slice), so no rank ever materialises a full copy of a sharded weight.
@@ -16,6 +16,8 @@ from torch import nn
 
 from common.config import ModelConfig
 from common.distributed import Comm
+from common.draft_checkpoint import with_shared_weights
+from common.gguf import GGUFCheckpoint, find_gguf, open_gguf
 from common.layers.shard import checkpoint_parts
 from common.models.transformer import Transformer
 from common.tokenizer import Tokenizer, load_tokenizer
@@ -57,7 +59,17 @@ class CheckpointFiles:
         return self._open(self.where[name]).get_slice(name)
 
 
-def load_param(files: CheckpointFiles, name: str, param: nn.Parameter) -> None:
+def open_checkpoint(path: Path) -> tuple[ModelConfig, CheckpointFiles | GGUFCheckpoint]:
+    """(config, tensor source) for a Hugging Face directory or a GGUF file (or a directory holding one);
+    both sources hand out per-tensor slices by HF parameter name."""
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        ckpt = open_gguf(gguf_file)
+        return ckpt.config, ckpt
+    return ModelConfig.from_pretrained(path), CheckpointFiles(path)
+
+
+def load_param(files: CheckpointFiles | GGUFCheckpoint, name: str, param: nn.Parameter) -> None:
     spec = param.shard
     sl = files.get_slice(name)
     found = tuple(sl.get_shape())
@@ -119,9 +131,10 @@ def load_model(
         check_local_argmax(
             nn.Module(), use_local_argmax_reduction, draft_sampling
         )  # fail before reading weights
-    config = ModelConfig.from_pretrained(path)
+    config, files = open_checkpoint(path)
     model = Transformer(config, comm, markov_head_mode, replicate_lm_head, dtype, device)
-    files = CheckpointFiles(path)
+    # A trained draft stores only its own tensors and reads the shared ones from its target.
+    files = with_shared_weights(path, files)
     params = list(model.named_parameters())
     for i, (name, param) in enumerate(params):
         for part_name, part in checkpoint_parts(name, param):  # merged qkv / gate_up: one per part

@@ -152,3 +152,29 @@ def serve_until_drained(drain: Callable[[], None]) -> None:
 
     install_drain_handler(run_drain)
     stopped.wait()
+
+
+@dataclass
+class HealthPort:
+    """A plaintext grpc.health.v1-only server for a front that has none of its own (the target's aio
+    front): up from process start, NOT_SERVING until `set_serving(True)`."""
+
+    server: grpc.Server
+    health: health.HealthServicer
+    names: list[str]
+
+    @classmethod
+    def open(cls, config: ServiceConfig, service_name: str) -> HealthPort | None:
+        if config.health_port < 0:
+            return None
+        servicer = health.HealthServicer(experimental_non_blocking=True)
+        server, _ = _health_only_server(config, servicer)
+        set_health(servicer, [service_name], False)
+        server.start()
+        return cls(server, servicer, [service_name])
+
+    def set_serving(self, serving: bool) -> None:
+        set_health(self.health, self.names, serving)
+
+    def stop(self) -> None:
+        self.server.stop(grace=0).wait()

@@ -104,7 +104,7 @@ def parse_config(cls: type[T], argv: list[str] | None, prog: str, description: s
 class ServiceConfig:
     """Flags both services share; each service's config extends it (and may change a default)."""
 
-    model: str = flag("", "checkpoint directory (Hugging Face layout)")
+    model: str = flag("", "checkpoint: a Hugging Face directory, a .gguf file or a directory holding one")
     tp_size: int = flag(1, "tensor-parallel ranks for the model")
     device: str = flag("cpu", "cpu or cuda")
     dtype: str = flag("float32", "weights and activations dtype", ("float32", "bfloat16", "float16"))
@@ -133,7 +133,7 @@ class ServiceConfig:
 
     def validate(self) -> None:
         if not self.model:
-            raise ValueError("--model: a checkpoint directory is required")
+            raise ValueError("--model: a checkpoint directory or .gguf file is required")
         if self.tp_size < 1:
             raise ValueError("--tp-size: must be >= 1")
         if self.max_batch_size < 1:

@@ -1,17 +1,50 @@
-"""Tokenizer: Hugging Face `tokenizer.json` through the `tokenizers` library, or raw UTF-8 bytes."""
+"""Tokenizer: Hugging Face `tokenizer.json` (or a GGUF file's metadata) through the `tokenizers` library,
+or raw UTF-8 bytes; plus the model's chat template, rendered with jinja2 as transformers renders it."""
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 
-class Tokenizer:
-    """encode(text) -> ids, decode(ids) -> text, vocab_size, eos_token_id (None when unknown)."""
+class ChatTemplateError(ValueError):
+    """The messages do not fit the template (it raised), or the model has no chat template."""
 
-    def __init__(self, hf_tokenizer=None, eos_token_id: int | None = None):
+
+class Tokenizer:
+    """encode(text) -> ids, decode(ids) -> text, vocab_size, eos_token_id (None when unknown),
+    apply_chat_template(messages) -> ids when the model ships a chat template."""
+
+    def __init__(
+        self,
+        hf_tokenizer=None,
+        eos_token_id: int | None = None,
+        chat_template: str | None = None,
+        special_tokens: dict[str, str | None] | None = None,
+    ):
         self._hf = hf_tokenizer
         self.eos_token_id = eos_token_id
+        self.chat_template = chat_template
+        self.special_tokens = special_tokens or {}  # bos_token / eos_token text, passed to the template
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` ([{role, content}]), ending with the assistant's turn opener."""
+        if not self.chat_template:
+            raise ChatTemplateError("messages: the target model has no chat template")
+        import jinja2
+
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"messages: the chat template rejected them: {exc}") from exc
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Ids of the rendered chat prompt. Special tokens the template writes (e.g. <|im_start|>) map to
+        their ids; no BOS is added beyond what the template writes (as transformers' apply_chat_template)."""
+        return self.encode(self.render_chat(messages))
 
     @property
     def vocab_size(self) -> int:
@@ -50,11 +83,64 @@ def _eos_from_files(path: Path, hf) -> int | None:
     return None
 
 
+def _compile(template: str):
+    """transformers' chat-template environment: sandboxed, trim/lstrip blocks, loop controls, tojson,
+    raise_exception and strftime_now."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
+
+
+def _template_from_files(path: Path) -> str | None:
+    """chat_template.jinja, else tokenizer_config.json's chat_template (the default one of a list)."""
+    if (path / "chat_template.jinja").is_file():
+        return (path / "chat_template.jinja").read_text()
+    tok_cfg = path / "tokenizer_config.json"
+    if not tok_cfg.is_file():
+        return None
+    template = json.loads(tok_cfg.read_text()).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
+
+def _special_from_files(path: Path) -> dict[str, str | None]:
+    tok_cfg = path / "tokenizer_config.json"
+    raw = json.loads(tok_cfg.read_text()) if tok_cfg.is_file() else {}
+    out = {}
+    for key in ("bos_token", "eos_token"):
+        value = raw.get(key)
+        out[key] = value.get("content") if isinstance(value, dict) else value
+    return out
+
+
 def load_tokenizer(path: str | Path) -> Tokenizer:
+    """From a Hugging Face directory (tokenizer.json, tokenizer_config.json, chat_template.jinja) or a
+    GGUF file / a directory holding one (its tokenizer.* metadata)."""
+    from common.gguf import find_gguf, open_gguf
+
     path = Path(path)
+    gguf_file = find_gguf(path)
+    if gguf_file is not None:
+        ckpt = open_gguf(gguf_file)
+        special = {"bos_token": ckpt.token("bos_token_id"), "eos_token": ckpt.token("eos_token_id")}
+        eos = ckpt.metadata("tokenizer.ggml.eos_token_id", None)
+        template = ckpt.metadata("tokenizer.chat_template", None)
+        return Tokenizer(ckpt.hf_tokenizer(), None if eos is None else int(eos), template, special)
     hf = None
     if (path / "tokenizer.json").is_file():
         from tokenizers import Tokenizer as HFTokenizer
 
         hf = HFTokenizer.from_file(str(path / "tokenizer.json"))
-    return Tokenizer(hf, _eos_from_files(path, hf))
+    return Tokenizer(hf, _eos_from_files(path, hf), _template_from_files(path), _special_from_files(path))

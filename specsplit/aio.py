@@ -27,12 +27,14 @@ from specsplit._channel import (
 )
 from specsplit.client import (
     CallSettings,
+    ChatMessages,
     Delta,
     GenerateOptions,
     GenerateResult,
     ModelInfo,
     ResultBuilder,
     _text,
+    build_chat_request,
     build_request,
     closed_error,
     resolve_tls,
@@ -136,6 +138,23 @@ class AsyncClient:
         self, prompt: str | Iterable[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateResult:
         async with self.stream(prompt, timeout=timeout, **options) as stream:
+            async for _ in stream:
+                pass
+            return stream.received.build()
+
+    def chat_stream(
+        self, messages: ChatMessages, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> AsyncGenerateStream:
+        """Streams the assistant's reply to `messages` (rendered with the model's chat template)."""
+        request = build_chat_request(messages, **options)
+        call = self._open().stub.Generate(request, **self._settings.kwargs(timeout, unary=False))
+        return AsyncGenerateStream(call, request.request_id)
+
+    async def chat(
+        self, messages: ChatMessages, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> GenerateResult:
+        """The assistant's reply to `messages`; generation stops at the template's end-of-turn token."""
+        async with self.chat_stream(messages, timeout=timeout, **options) as stream:
             async for _ in stream:
                 pass
             return stream.received.build()

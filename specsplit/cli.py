@@ -39,7 +39,9 @@ DISPATCH = {
     "make-tiny-model": ("common.tiny", "make a tiny random checkpoint for tests and demos"),
     "serve-draft": ("draft_service.__main__", "run the draft service"),
     "serve-target": ("target_service.__main__", "run the target service"),
+    "train-draft": ("common.training.train_draft", "distil a draft (layers + Markov head) for a target"),
     "demo": ("specsplit.demo", "run both services on CPU with tiny models and stream a generation"),
+    "bench-serve": ("specsplit.bench_serve", "load-test a target: throughput, TTFT/TPOT/ITL, errors"),
 }
 
 DEFAULT_TARGET = "localhost:50051"
@@ -97,10 +99,11 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_generate_flags(parser: argparse.ArgumentParser) -> None:
-    prompt = parser.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (the target needs a tokenizer)")
-    prompt.add_argument("--token-ids", help="prompt token ids, comma or space separated")
+def _add_generate_flags(parser: argparse.ArgumentParser, prompt_flags: bool = True) -> None:
+    if prompt_flags:
+        prompt = parser.add_mutually_exclusive_group(required=True)
+        prompt.add_argument("--prompt", help="prompt text (the target needs a tokenizer)")
+        prompt.add_argument("--token-ids", help="prompt token ids, comma or space separated")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 is no top-k truncation")
@@ -134,6 +137,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="stream a generation to the terminal")
     _add_connection_flags(generate)
     _add_generate_flags(generate)
+    chat = sub.add_parser(
+        "chat",
+        help="chat with the target model (its chat template); one turn per --message, else read stdin",
+    )
+    _add_connection_flags(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument(
+        "-m", "--message", action="append", default=[], help="user message (repeatable: one turn each)"
+    )
+    _add_generate_flags(chat, prompt_flags=False)
+    _add_json_flag(chat)
     info = sub.add_parser("info", help="print the served models and limits")
     _add_connection_flags(info)
     health = sub.add_parser("health", help="grpc.health.v1 status; exit 0 only when SERVING")
@@ -283,6 +297,41 @@ def cmd_generate(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return EXIT_OK
 
 
+def cmd_chat(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Multi-turn: each user message (from --message, else one per stdin line) is sent with the history."""
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    options = _generate_options(args)
+    options.pop("request_id")  # one id per turn, chosen by the SDK
+    turns = args.message or (line.rstrip("\n") for line in sys.stdin)
+    results = []
+    with _client(args) as client:
+        for text in turns:
+            if not text.strip():
+                continue
+            history.append({"role": "user", "content": text})
+            with client.chat_stream(history, **options) as stream:
+                builder, clock = ResultBuilder(stream.request_id), StreamClock()
+                for delta in stream:
+                    clock.tick(delta)
+                    builder.add(delta)
+                    if not args.json:
+                        out.write(delta.text)
+                        out.flush()
+                result = builder.build()
+            history.append({"role": "assistant", "content": result.text})
+            timing = clock.stats(result)
+            if args.json:
+                results.append(
+                    dataclasses.asdict(result) | {"acceptance_rate": result.usage.acceptance_rate} | timing
+                )
+            else:
+                out.write("\n")
+                err.write(_stats_line(result, timing) + "\n")
+    if args.json:
+        out.write(json.dumps({"messages": history, "turns": results}) + "\n")
+    return 0
+
+
 def cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     with _client(args) as client:
         info = dataclasses.asdict(client.model_info())
@@ -306,6 +355,7 @@ def cmd_health(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO, TextIO], int]] = {
     "generate": cmd_generate,
+    "chat": cmd_chat,
     "info": cmd_info,
     "health": cmd_health,
 }
@@ -342,7 +392,11 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _dispatch(command: str, argv: list[str]) -> int:
-    module = importlib.import_module(DISPATCH[command][0])
+    try:
+        module = importlib.import_module(DISPATCH[command][0])
+    except ModuleNotFoundError as exc:  # a client-only install: the servers need the extra
+        sys.stderr.write(f"specsplit {command}: needs {exc.name!r}: pip install 'specsplit[serve]'\n")
+        return EXIT_ERROR
     entry: Callable[[list[str]], Any] = module.main
     return int(entry(argv) or 0)
 

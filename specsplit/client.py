@@ -301,6 +301,31 @@ def build_request(prompt: str | Iterable[int], **options: Any) -> target_pb2.Gen
     return request
 
 
+ChatMessages = Sequence[Mapping[str, str]]  # [{"role": "user", "content": "..."}, ...]
+
+
+def build_chat_request(
+    messages: ChatMessages, **options: Unpack[GenerateOptions]
+) -> target_pb2.GenerateRequest:
+    """A GenerateRequest whose prompt is chat turns; the target renders its model's chat template.
+    A wrong type raises TypeError naming `messages[i]`, as build_request does for its options."""
+    raw: object = messages  # callers outside mypy pass anything
+    if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
+        raise TypeError(f"messages: expected a list of {{role, content}} dicts, got {type(raw).__name__}")
+    request = build_request("", **options)
+    chat = request.messages
+    chat.SetInParent()  # selects the oneof's messages branch (an empty conversation stays one)
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, Mapping)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content", ""), str)
+        ):
+            raise TypeError(f"messages[{i}]: expected {{'role': str, 'content': str}}, got {m!r}")
+        chat.messages.add(role=m["role"], content=m.get("content", ""))
+    return request
+
+
 def resolve_tls(tls: TLSConfig | bool | None) -> TLSConfig | None:
     if tls is True:
         return TLSConfig()
@@ -417,6 +442,22 @@ class Client:
         self, prompt: str | Iterable[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateResult:
         with self.stream(prompt, timeout=timeout, **options) as stream:
+            return collect(stream, stream.request_id)
+
+    def chat_stream(
+        self, messages: ChatMessages, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> GenerateStream:
+        """Streams the assistant's reply to `messages` (rendered with the model's chat template)."""
+        request = build_chat_request(messages, **options)
+        self._check_open()
+        call = self._stub.Generate(request, **self._settings.kwargs(timeout, unary=False))
+        return GenerateStream(call, request.request_id)
+
+    def chat(
+        self, messages: ChatMessages, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
+    ) -> GenerateResult:
+        """The assistant's reply to `messages`; generation stops at the template's end-of-turn token."""
+        with self.chat_stream(messages, timeout=timeout, **options) as stream:
             return collect(stream, stream.request_id)
 
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:

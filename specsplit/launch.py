@@ -12,6 +12,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,17 +51,21 @@ class ServiceProcess:
             time.sleep(0.1)
         raise RuntimeError(f"{self.module} not ready after {timeout:.0f}s:\n{self.log_text()}")
 
-    def scrape(self) -> Samples:
+    def scrape_families(self) -> list[Metric]:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text)
-            for s in fam.samples
-        }
+            return list(text_string_to_metric_families(r.read().decode()))
+
+    def scrape(self) -> Samples:
+        return _samples(self.scrape_families())
 
     def metric(self, name: str, **labels: str) -> float:
-        return metric_sum(self.scrape(), name, **labels)
+        """Sum of the series `name` with these labels. Raises KeyError when the service exports no
+        such metric family at all, so a check like `== 0` cannot pass on a renamed metric."""
+        families = self.scrape_families()
+        known = {fam.name for fam in families} | {s.name for fam in families for s in fam.samples}
+        if name not in known and name.removesuffix("_total") not in known:
+            raise KeyError(f"{self.module} exports no metric {name!r}")
+        return metric_sum(_samples(families), name, **labels)
 
     def signal(self, sig: int) -> None:
         self.popen.send_signal(sig)
@@ -74,6 +79,10 @@ class ServiceProcess:
                 self.popen.kill()
                 self.popen.wait()
         return self.popen.returncode
+
+
+def _samples(families: list[Metric]) -> Samples:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in families for s in fam.samples}
 
 
 def metric_sum(samples: Samples, name: str, **labels: str) -> float:

@@ -6,13 +6,14 @@ import logging
 import sys
 import time
 
+from common.aio_front import AioFront
 from common.grpc_util import (
     channel_credentials,
     read_token,
 )
 from common.logs import setup_logging
 from common.metrics import ServiceMetrics
-from common.service import model_label, open_front, serve_until_drained, service_metrics
+from common.service import HealthPort, model_label, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
 from common.tp_executor import launch_tp
@@ -25,7 +26,7 @@ from target_service.scheduler import Scheduler
 from target_service.server import TargetServicer
 
 log = logging.getLogger("specsplit.target")
-SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
 def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
@@ -42,11 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     # The step loop, the gRPC threads and the streamer share the GIL: at the default 5 ms switch interval
     # a busy thread can hold up a message that has already arrived by up to 5 ms per thread hop.
     sys.setswitchinterval(0.0005)
-    # Metrics, health (NOT_SERVING) and the gRPC port (UNAVAILABLE) come up before the model loads.
-    metrics = service_metrics("target", config, verify_backend=config.verify_backend)
-    metrics.draft_connected.set(0)
+    # Plaintext health for kubelet probes (TLS-proof), NOT_SERVING from now until the model is loaded.
     try:
-        front = open_front(config, SERVICE, target_pb2_grpc.add_TargetServiceServicer_to_server, metrics)
+        health_port = HealthPort.open(config, SERVICE_NAME)
     except ValueError as exc:
         log.error("%s", exc)
         return 2
@@ -60,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(config.model)
     except (ValueError, FileNotFoundError) as exc:
         log.error("cannot load the target model: %s", exc)
-        front.stop(grace=0)
         return 2
     mc = runner.model.config
     log.info(
@@ -72,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         runner.num_graphs,
     )
 
+    # The aio front (common/aio_front.py) starts after the load: the target's /metrics and health are not
+    # up during it yet (the draft's are, common/service.py open_front).
+    metrics = service_metrics("target", config, verify_backend=config.verify_backend)
+    metrics.draft_connected.set(0)
     try:
         link = None
         if config.draft_address:
@@ -106,9 +108,13 @@ def main(argv: list[str] | None = None) -> int:
             dtype=config.dtype,
         )
         servicer = TargetServicer(config, scheduler, metrics, tokenizer, model_info)
+        front = AioFront(
+            config,
+            SERVICE_NAME,
+            lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
+        )
     except ValueError as exc:
         log.error("%s", exc)
-        front.stop(grace=0)
         return 2
 
     scheduler.start()
@@ -117,11 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         if not link.wait_connected(timeout=5.0):
             log.warning("draft %s not reachable yet: plain decoding until it is", config.draft_address)
     servicer.ready = True
-    front.start(servicer, f", verify backend {scheduler.verify_backend}")
+    front.start(f", verify backend {scheduler.verify_backend}")
+    metrics.ready.set(1)
+    if health_port is not None:
+        health_port.set_serving(True)
 
     def drain() -> None:
         scheduler.stop_accepting()
         front.set_serving(False)
+        metrics.ready.set(0)
+        if health_port is not None:
+            health_port.set_serving(False)
         deadline = time.monotonic() + config.drain_timeout
         while scheduler.num_active() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -130,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("drain timeout: aborting %d requests", left)
         scheduler.stop()
         front.stop(grace=2)
+        if health_port is not None:
+            health_port.stop()
 
     serve_until_drained(drain)
     if link is not None:

@@ -33,10 +33,8 @@ class TargetConfig(ServiceConfig):
         ("auto", "triton", "torch"),
     )
     drain_timeout: float = flag(30.0, "SIGTERM: seconds to let running requests finish")
-    grpc_workers: int = flag(
-        512,
-        "gRPC server threads; each open Generate stream holds one, so keep it above "
-        "--max-batch-size + --max-queued-requests",
+    max_stream_backlog: int = flag(
+        1024, "responses a client may leave unread before its stream is cancelled (RESOURCE_EXHAUSTED)"
     )
     draft_tls_ca: str = flag("", "CA (PEM) to verify the draft service: turns on TLS to the draft")
     draft_tls_cert: str = flag("", "client certificate (PEM) for mTLS to the draft")
@@ -52,10 +50,7 @@ class TargetConfig(ServiceConfig):
             raise ValueError("--max-speculative-tokens: must be <= 64")
         if self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests: must be >= 0")
-        if self.grpc_workers <= self.max_batch_size + self.max_queued_requests:
-            raise ValueError(
-                f"--grpc-workers: {self.grpc_workers} threads cannot hold --max-batch-size + "
-                f"--max-queued-requests = {self.max_batch_size + self.max_queued_requests} open streams"
-            )
+        if self.max_stream_backlog < 1:
+            raise ValueError("--max-stream-backlog: must be >= 1")
         if self.draft_timeout <= 0:
             raise ValueError("--draft-timeout: must be > 0")

@@ -36,7 +36,7 @@ class Proposal:
     topk_width: int = 0
 
 
-def checked_proposal(p: draft_pb2.Proposal | None, k: int) -> Proposal:
+def checked_proposal(p: draft_pb2.Proposal | None, k: int, vocab_size: int) -> Proposal:
     """A proposal's first k tokens and its sparse q; empty when it is malformed.
 
     A draft is a separate service: a proposal whose top-K lists do not match its tokens, or whose
@@ -46,11 +46,14 @@ def checked_proposal(p: draft_pb2.Proposal | None, k: int) -> Proposal:
     if p is None or not p.token_ids or k == 0:
         return Proposal([])
     tokens = list(p.token_ids[:k])
+    if max(tokens) >= vocab_size:  # would index past the embedding table
+        log.warning("dropping a draft proposal for request %d: token outside the vocabulary", p.request_id)
+        return Proposal([])
     if not p.top_k:
         return Proposal(tokens)
     width = p.top_k
     ids, probs = list(p.topk_ids), list(p.topk_probs)
-    if len(ids) != len(probs) or len(ids) < len(tokens) * width:
+    if len(ids) != len(probs) or len(ids) < len(tokens) * width or max(ids) >= vocab_size:
         log.warning(
             "dropping a malformed draft proposal for request %d: top-K lists do not match", p.request_id
         )
@@ -212,7 +215,7 @@ class DraftSession:
                 if req.draft.draft_id in unknown:
                     req.draft.synced = -1  # started again with the next ask
         return {
-            p.request_id: checked_proposal(p, ask.ks.get(p.request_id, 0))
+            p.request_id: checked_proposal(p, ask.ks.get(p.request_id, 0), self.link.target_vocab_size)
             for p in response.proposals
             if p.request_id in ask.ks
         }

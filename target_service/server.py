@@ -1,15 +1,21 @@
-"""The target service's client-facing gRPC API (TP rank 0)."""
+"""The target service's client-facing gRPC API (TP rank 0), served by grpc.aio.
+
+Every RPC is a coroutine on the front's one event loop (common.aio_front), so open streams cost no
+thread: one process holds thousands of queued and streaming requests. The scheduler thread hands each
+request's outputs over through `req.out.put(item)` (a StreamOut: thread-safe, bounded backlog).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import math
-import queue
 import secrets
-from collections.abc import Iterator
 
 import grpc
 
+from common.aio_front import StreamOut
 from common.metrics import ServiceMetrics
+from common.tokenizer import ChatTemplateError
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.detok import StreamDetokenizer
@@ -17,10 +23,17 @@ from target_service.logprobs import MAX_LOGPROBS
 from target_service.scheduler import NotAccepting, QueueFull, Request, Scheduler
 
 MAX_REQUEST_ID = 128
+INLINE_TEXT = 4096  # longer text prompts (and chat templates) are tokenized off the event loop
 
 
 class InvalidRequest(Exception):
     """The message starts with the offending field's name."""
+
+
+class _Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -44,11 +57,13 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     def _prompt(self, request: target_pb2.GenerateRequest) -> list[int]:
         which = request.WhichOneof("prompt")
         if which is None:
-            raise InvalidRequest("prompt: give text or token_ids")
+            raise InvalidRequest("prompt: give text, token_ids or messages")
         if which == "text":
             if not request.text:
                 raise InvalidRequest("text: empty prompt")
             ids = list(self.tokenizer.encode(request.text))
+        elif which == "messages":
+            ids = self._chat_prompt(request.messages.messages)
         else:
             ids = list(request.token_ids.ids)
             bad = [t for t in ids if t >= self.vocab_size]
@@ -59,6 +74,20 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         if not ids:
             raise InvalidRequest(f"{which}: empty prompt")
         return ids
+
+    def _chat_prompt(self, messages) -> list[int]:
+        """The model's chat template over `messages`, with the assistant-turn opener."""
+        if not messages:
+            raise InvalidRequest("messages: empty conversation")
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise InvalidRequest(f"messages[{i}].role: required")
+        try:
+            return list(
+                self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+            )
+        except ChatTemplateError as exc:
+            raise InvalidRequest(str(exc)) from exc
 
     def build_request(self, request: target_pb2.GenerateRequest) -> Request:
         cfg = self.config
@@ -126,57 +155,86 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             logprobs=logprobs,
         )
 
-    def _abort(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> None:
         self.metrics.request_error(code.name.lower()).inc()
-        context.abort(code, message)
+        await context.abort(code, message)
 
-    # -- RPCs --------------------------------------------------------------------
-    def Generate(
-        self, request: target_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> Iterator[target_pb2.GenerateResponse]:
-        self.metrics.count_grpc_message("received", "generate_request", request.ByteSize())
-        if not self.ready:
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is not ready")
+    def _admit(self, request: target_pb2.GenerateRequest, out: StreamOut) -> Request:
+        """Validates and queues (in a worker thread: tokenizing a long prompt must not stall the loop).
+        Raises (code, message) as a _Rejected."""
         try:
             req = self.build_request(request)
+            req.out, out.request_id = out, req.request_id
             self.scheduler.submit(req)
         except InvalidRequest as exc:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise _Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except ValueError as exc:  # duplicate live request id
-            self._abort(context, grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            raise _Rejected(grpc.StatusCode.ALREADY_EXISTS, str(exc)) from None
         except QueueFull as exc:
-            self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise _Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         except NotAccepting as exc:
-            self._abort(context, grpc.StatusCode.UNAVAILABLE, str(exc))
-        self.metrics.prompt_tokens.inc(len(req.prompt))
-        # A client cancel or deadline takes the request out of the batch at the next step.
-        context.add_callback(lambda: self.scheduler.cancel(req.request_id, "client"))
-        while True:
-            try:
-                item = req.out.get(timeout=1.0)
-            except queue.Empty:
-                if not context.is_active():
-                    self.scheduler.cancel(req.request_id, "client")
-                    return
-                continue
-            if item is None:
-                return
-            if isinstance(item, Exception):  # stopped at the drain timeout: UNAVAILABLE, retry elsewhere
-                stopped = self.scheduler.stopped.is_set()
-                code = grpc.StatusCode.UNAVAILABLE if stopped else grpc.StatusCode.INTERNAL
-                self._abort(context, code, str(item))
-            self.metrics.count_grpc_message("sent", "generate_response", item.ByteSize())
-            yield item
+            raise _Rejected(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        return req
 
-    def Abort(
-        self, request: target_pb2.AbortRequest, context: grpc.ServicerContext
+    # -- RPCs --------------------------------------------------------------------
+    async def Generate(self, request: target_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        self.metrics.count_grpc_message("received", "generate_request", request.ByteSize())
+        if not self.ready:
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is not ready")
+        task = asyncio.current_task()
+        assert task is not None
+
+        def on_overflow() -> None:  # on the loop: the client stopped reading
+            self.scheduler.cancel(out.request_id, "client")  # set before the request was queued
+            task.cancel()
+
+        out = StreamOut(asyncio.get_running_loop(), self.config.max_stream_backlog, on_overflow)
+        try:
+            which = request.WhichOneof("prompt")
+            if which == "messages" or (which == "text" and len(request.text) > INLINE_TEXT):
+                req = await asyncio.to_thread(self._admit, request, out)
+            else:
+                req = self._admit(request, out)
+        except _Rejected as exc:
+            await self._abort(context, exc.code, exc.message)
+        self.metrics.prompt_tokens.inc(len(req.prompt))
+        done = False
+        try:
+            while True:
+                item = await out.get()
+                if item is None:
+                    done = True
+                    return
+                if isinstance(item, Exception):  # stopped at the drain timeout: UNAVAILABLE, retry elsewhere
+                    done = True
+                    stopped = self.scheduler.stopped.is_set()
+                    code = grpc.StatusCode.UNAVAILABLE if stopped else grpc.StatusCode.INTERNAL
+                    await self._abort(context, code, str(item))
+                self.metrics.count_grpc_message("sent", "generate_response", item.ByteSize())
+                await context.write(item)
+        except asyncio.CancelledError:
+            if not out.overflowed:
+                raise  # the client cancelled or its deadline passed
+            # Our own cancel: the client stopped reading. Say so (it sees this if it reads again).
+            self.metrics.request_error("resource_exhausted").inc()
+            context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.set_details(
+                f"stream: the client left more than {self.config.max_stream_backlog} responses unread; "
+                "the request was cancelled"
+            )
+        finally:
+            if not done:  # a client cancel, deadline, or a failed write: free the slot at the next step
+                self.scheduler.cancel(req.request_id, "client")
+
+    async def Abort(
+        self, request: target_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.AbortResponse:
         if not request.request_id:
-            self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id: required")
         return target_pb2.AbortResponse(found=self.scheduler.cancel(request.request_id, "abort"))
 
-    def GetModelInfo(
-        self, request: target_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    async def GetModelInfo(
+        self, request: target_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> target_pb2.GetModelInfoResponse:
         info = target_pb2.GetModelInfoResponse()
         info.CopyFrom(self.model_info)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from common.distributed import init_tp
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.generate import forward_rows, greedy_generate
 from common.tiny import make_tiny_model
-
-transformers = pytest.importorskip("transformers")
 
 ARCHS = {
     "qwen3": dict(architecture="Qwen3ForCausalLM"),

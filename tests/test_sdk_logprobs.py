@@ -11,13 +11,13 @@ import signal
 
 import pytest
 import torch
+import transformers
 from conftest_sdk import STARTUP_TIMEOUT_S, Stack
 from service_util import running, start_target
 
 import specsplit
 from specsplit import Client, FinishReason, GenerateResult
 
-transformers = pytest.importorskip("transformers")
 HFModel = transformers.PreTrainedModel
 pytest_plugins = ["conftest_sdk"]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -134,18 +134,21 @@ def test_malformed_draft_proposals_are_dropped():
 
     good = draft_pb2.Proposal(request_id=1, token_ids=[5, 6, 7], top_k=2, topk_ids=[5, 9, 6, 1, 7, 2],
                               topk_probs=[0.75, 0.25, 0.5, 0.5, 1.0, 0.0])  # fmt: skip
-    assert checked_proposal(good, 2) == Proposal([5, 6], [5, 9, 6, 1], [0.75, 0.25, 0.5, 0.5], 2)
-    assert checked_proposal(draft_pb2.Proposal(token_ids=[3, 4]), 4) == Proposal([3, 4])  # greedy: one-hot q
-    assert checked_proposal(None, 4) == Proposal([])
-    assert checked_proposal(good, 0) == Proposal([])
+    assert checked_proposal(good, 2, 512) == Proposal([5, 6], [5, 9, 6, 1], [0.75, 0.25, 0.5, 0.5], 2)
+    greedy = draft_pb2.Proposal(token_ids=[3, 4])  # one-hot q
+    assert checked_proposal(greedy, 4, 512) == Proposal([3, 4])
+    assert checked_proposal(None, 4, 512) == Proposal([])
+    assert checked_proposal(good, 0, 512) == Proposal([])
     bad = [
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[5, 9], topk_probs=[1.0]),  # lengths differ
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[8, 9], topk_probs=[0.5, 0.5]),  # token not in q
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[5, 9], topk_probs=[0.9, 0.9]),  # sums to 1.8
         draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[5, 9], topk_probs=[float("nan"), 1.0]),
+        draft_pb2.Proposal(token_ids=[5, 512]),  # a token outside the vocabulary (512)
+        draft_pb2.Proposal(token_ids=[5], top_k=2, topk_ids=[5, 600], topk_probs=[0.5, 0.5]),  # q outside it
     ]
     for p in bad:
-        assert checked_proposal(p, 4) == Proposal([]), p
+        assert checked_proposal(p, 4, 512) == Proposal([]), p
 
 
 @pytest.mark.parametrize("byte_level", [False, True])

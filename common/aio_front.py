@@ -1,0 +1,194 @@
+"""A grpc.aio serving front on its own event-loop thread: streams cost no thread each.
+
+The sync front (common.service.build_front) holds one pool thread per open stream, so the number of
+concurrent Generate streams is capped by --grpc-workers. Here one asyncio loop serves every RPC; the
+rest of the process (the scheduler thread, the drain thread, the main thread) talks to it through
+`AioFront.call` (run a coroutine on the loop and wait) and `StreamOut` (a thread-safe sink that hands a
+request's outputs to its handler coroutine).
+
+Health, reflection, TLS/mTLS and the bearer token work as in the sync front (same flags, same errors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.grpc_util import SERVER_OPTIONS, UNAUTHENTICATED_PREFIXES, read_file, read_token
+from common.metrics import start_metrics_server
+from common.settings import ServiceConfig
+
+log = logging.getLogger("specsplit")
+
+
+class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects calls without `authorization: Bearer <token>` with UNAUTHENTICATED (health and
+    reflection stay open, as in common.grpc_util.BearerTokenInterceptor)."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or invalid bearer token"
+            )
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await deny(request, context)
+            yield  # pragma: no cover  (makes this an async generator)
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
+        self._deny_stream_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
+
+    async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith(UNAUTHENTICATED_PREFIXES):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        given = str(metadata.get("authorization", "")).encode()
+        if hmac.compare_digest(given, self._expected):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return self._deny_stream_stream
+        if handler.response_streaming:
+            return self._deny_unary_stream
+        return self._deny_unary
+
+
+class StreamOut:
+    """One request's output channel: `put` from any thread, `get` on the loop.
+
+    The scheduler calls `put(item)` from its own thread (item: a response message, an Exception, or
+    None for the end). Items cross to the loop with call_soon_threadsafe. When more than `limit` items
+    wait unread (the client stopped reading, so the handler is stuck in a write), `on_overflow` runs
+    once on the loop: the caller cancels the request there, so a stuck stream neither holds a KV slot
+    nor buffers without bound.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, on_overflow: Callable[[], None]):
+        self.loop = loop
+        self.limit = limit
+        self.on_overflow = on_overflow
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.overflowed = False
+        self.request_id = ""  # the owner sets it before the request can produce output
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, item)
+        except RuntimeError:  # the loop is closed (server stopped): nobody is listening
+            pass
+
+    def _deliver(self, item: Any) -> None:
+        if self.overflowed:
+            return
+        self.queue.put_nowait(item)
+        if self.queue.qsize() > self.limit:
+            self.overflowed = True
+            self.on_overflow()
+
+    async def get(self) -> Any:
+        return await self.queue.get()
+
+    def pending(self) -> int:
+        return self.queue.qsize()
+
+
+def _add_port(server: grpc.aio.Server, config: ServiceConfig) -> int:
+    address = f"{config.host}:{config.port}"
+    cert, key, client_ca = config.tls_cert or None, config.tls_key or None, config.tls_client_ca or None
+    if bool(cert) != bool(key):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    if client_ca and not cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    if cert:
+        creds = grpc.ssl_server_credentials(
+            [(read_file(key, "--tls-key"), read_file(cert, "--tls-cert"))],
+            root_certificates=read_file(client_ca, "--tls-client-ca") if client_ca else None,
+            require_client_auth=bool(client_ca),
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise ValueError(f"--port: cannot bind {address}")
+    return port
+
+
+class AioFront:
+    """The aio server, its health servicer and the loop thread; the same surface as common.service.Front
+    (set_serving, start) plus `call`, `stop` and `loop` for the servicer's StreamOut."""
+
+    def __init__(self, config: ServiceConfig, service_name: str, register: Callable[[grpc.aio.Server], None]):
+        """Binds everything; raises ValueError naming the flag on bad TLS/token/port settings."""
+        self.service_name = service_name
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self.thread.start()
+        token = read_token(config.auth_token_file) if config.auth_token_file else None
+
+        async def build() -> tuple[grpc.aio.Server, Any, int]:
+            interceptors = [AioBearerTokenInterceptor(token)] if token else []
+            server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
+            register(server)
+            health_servicer = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+            names = [service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
+            reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+            port = _add_port(server, config)
+            return server, health_servicer, port
+
+        try:
+            self.server, self.health, self.port = self.call(build())
+        except BaseException:
+            self._close_loop()
+            raise
+        self.set_serving(False)
+        self.metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
+
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        """Runs `coro` on the loop from another thread and returns its result."""
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout)
+
+    def set_serving(self, serving: bool) -> None:
+        codes = health_pb2.HealthCheckResponse
+        status = codes.SERVING if serving else codes.NOT_SERVING
+
+        async def set_all() -> None:
+            for name in ("", self.service_name):
+                await self.health.set(name, status)
+
+        self.call(set_all())
+
+    def start(self, detail: str = "") -> None:
+        self.call(self.server.start())
+        self.set_serving(True)
+        log.info("ready: grpc port %d (asyncio), metrics port %d%s", self.port, self.metrics_port, detail)
+        # Launchers (specsplit.launch, the demo) wait for this line.
+        print(f"SPECSPLIT_READY grpc={self.port} metrics={self.metrics_port}", flush=True)
+
+    def stop(self, grace: float) -> None:
+        """Stops the server (open RPCs get `grace` seconds) and the loop thread."""
+        try:
+            self.call(self.server.stop(grace), timeout=grace + 10)
+        finally:
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        if not self.thread.is_alive():
+            self.loop.close()

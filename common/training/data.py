@@ -1,0 +1,156 @@
+"""Distillation data: the target's own generations, with its top-K next-token distribution at every step.
+
+Each prompt is answered at a few temperatures (greedy text is what greedy speculation verifies; sampled
+text covers the rest of the distribution). At every generated position we keep the target's top-K
+probabilities at temperature 1, so the draft learns the whole shape of the target's next-token
+distribution (a KL loss), not only one sampled token. Data is written in parts, one per prompt batch,
+so a run cut off by a time limit resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from common.kv_cache import KVCache
+from common.models.generate import forward_rows
+from common.models.transformer import Transformer
+
+
+@dataclass
+class Sequences:
+    """Variable-length sequences stored flat. Row i is tokens[offsets[i]:offsets[i + 1]].
+
+    topk_ids / topk_probs [N_tokens, K]: the target's distribution of the token AFTER each position;
+    trained[N_tokens]: positions whose next token the draft learns (the answer, not the prompt).
+    """
+
+    tokens: Tensor  # [N] int64
+    offsets: Tensor  # [num_seqs + 1] int64
+    topk_ids: Tensor  # [N, K] int64
+    topk_probs: Tensor  # [N, K] float32, rows sum to <= 1
+    trained: Tensor  # [N] bool
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> slice:
+        return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+
+    def save(self, path: Path) -> None:
+        save_file(
+            {
+                "tokens": self.tokens,
+                "offsets": self.offsets,
+                "topk_ids": self.topk_ids.int(),
+                "topk_probs": self.topk_probs.half(),
+                "trained": self.trained.to(torch.uint8),
+            },
+            str(path),
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> Sequences:
+        t = load_file(str(path))
+        return cls(
+            t["tokens"], t["offsets"], t["topk_ids"].long(), t["topk_probs"].float(), t["trained"].bool()
+        )
+
+    @classmethod
+    def concat(cls, parts: list[Sequences]) -> Sequences:
+        lengths = torch.cat([p.offsets.diff() for p in parts])
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        return cls(
+            torch.cat([p.tokens for p in parts]),
+            offsets,
+            torch.cat([p.topk_ids for p in parts]),
+            torch.cat([p.topk_probs for p in parts]),
+            torch.cat([p.trained for p in parts]),
+        )
+
+
+def _sample(logits: Tensor, temperature: float, gen: torch.Generator) -> Tensor:
+    """fp32 [B, V] -> [B] ids: argmax at temperature 0, else a draw from softmax(logits / T)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, -1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    probs, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+    return ids.cpu(), probs.cpu()
+
+
+@torch.inference_mode()
+def generate_batch(
+    target: Transformer,
+    prompts: list[list[int]],
+    temperature: float,
+    max_new_tokens: int,
+    top_k: int,
+    eos_token_ids: set[int],
+    gen: torch.Generator,
+) -> Sequences:
+    """Answers `prompts` with the target (one batch) and records its top-K at every position."""
+    cache = KVCache.for_model(target, len(prompts), max(map(len, prompts)) + max_new_tokens)
+    slots = list(range(len(prompts)))
+    hidden = forward_rows(target, cache, slots, [0] * len(prompts), prompts)
+    lengths = [len(p) for p in prompts]
+    # Prompt positions: their top-K is kept (cheap) but they are not trained on.
+    prompt_topk = [_topk(target.compute_logits(hidden[b, : lengths[b]]), top_k) for b in slots]
+    last = target.compute_logits(hidden[torch.arange(len(prompts)), torch.tensor(lengths) - 1])
+    answers: list[list[int]] = [[] for _ in prompts]
+    answer_topk: list[list[tuple[Tensor, Tensor]]] = [[] for _ in prompts]
+    live = [True] * len(prompts)
+    logits = last
+    for step in range(max_new_tokens):
+        ids = target.map_to_target(_sample(logits, temperature, gen)).tolist()
+        for b, tok in enumerate(ids):
+            if live[b]:
+                answers[b].append(tok)
+                live[b] = tok not in eos_token_ids
+        if not any(live) or step + 1 == max_new_tokens:
+            break
+        hidden = forward_rows(target, cache, slots, [n + step for n in lengths], [[a[-1]] for a in answers])
+        logits = target.compute_logits(hidden[:, 0])
+        top = _topk(logits, top_k)
+        for b in slots:
+            if live[b]:
+                answer_topk[b].append((top[0][b], top[1][b]))
+    return _pack(prompts, answers, prompt_topk, answer_topk)
+
+
+def _pack(prompts, answers, prompt_topk, answer_topk) -> Sequences:
+    """Position p of a sequence holds token p and the target's distribution of token p + 1. The last
+    answer token has no next token recorded, so the sequence ends one short of its full text."""
+    parts = []
+    for prompt, answer, (p_ids, p_probs), a_top in zip(prompts, answers, prompt_topk, answer_topk):
+        tokens = prompt + answer[:-1] if len(answer) > 1 else list(prompt)
+        ids = torch.cat([p_ids] + [t[0][None] for t in a_top[: len(tokens) - len(prompt)]])
+        probs = torch.cat([p_probs] + [t[1][None] for t in a_top[: len(tokens) - len(prompt)]])
+        trained = torch.zeros(len(tokens), dtype=torch.bool)
+        trained[len(prompt) - 1 :] = True  # the last prompt position predicts the first answer token
+        parts.append(
+            Sequences(
+                torch.tensor(tokens, dtype=torch.int64),
+                torch.tensor([0, len(tokens)], dtype=torch.int64),
+                ids.long(),
+                probs.float(),
+                trained,
+            )
+        )
+    return Sequences.concat(parts)
+
+
+def first_eos(ids: list[int], eos_token_ids: set[int]) -> list[int]:
+    """`ids` cut just after its first EOS (kept), or whole."""
+    for i, tok in enumerate(ids):
+        if tok in eos_token_ids:
+            return ids[: i + 1]
+    return ids

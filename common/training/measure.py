@@ -1,0 +1,138 @@
+"""How well a draft agrees with its target under greedy speculation, and what a draft step costs.
+
+Greedy speculation accepts the longest prefix of the k drafted tokens that equals the target's own greedy
+tokens. While the draft agrees, its context equals the target's, so a draft's k-token rollout from any
+position is decided by ONE teacher-forced forward over the target's greedy text: match[p] says whether
+the draft's argmax after position p is the target's token p + 1. Rounds are then replayed exactly as the
+service runs them: from position p, a = the run of matches (at most k), and the next round starts after
+the a accepted tokens and the target's bonus token.
+
+Per-token acceptance α is solved from the mean accepted length: E[a] = Σ_{i=1..k} α^i.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from common.kv_cache import KVCache
+from common.models.generate import greedy_generate
+from common.models.transformer import Transformer
+from common.training.data import first_eos
+
+
+@dataclass
+class Acceptance:
+    k: int
+    mean_accepted: float  # E[a], drafted tokens accepted per round (the bonus token not counted)
+    alpha: float  # per-token acceptance solved from mean_accepted
+    rounds: int
+    agreement: float  # fraction of positions where the draft's next token is the target's
+
+    def as_dict(self) -> dict:
+        return {
+            "k": self.k,
+            "mean_accepted": round(self.mean_accepted, 4),
+            "alpha": round(self.alpha, 4),
+            "rounds": self.rounds,
+            "agreement": round(self.agreement, 4),
+        }
+
+
+def solve_alpha(mean_accepted: float, k: int) -> float:
+    """α in [0, 1] with Σ_{i=1..k} α^i = mean_accepted (bisection; the sum rises with α)."""
+    if mean_accepted <= 0:
+        return 0.0
+    if mean_accepted >= k:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid**i for i in range(1, k + 1)) < mean_accepted:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def target_texts(
+    target: Transformer, prompts: list[list[int]], max_new_tokens: int, eos: set[int], batch_size: int = 16
+) -> list[list[int]]:
+    """The target's greedy answers, cut after EOS: the text a greedy speculative run must reproduce."""
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        out += [first_eos(a, eos) for a in greedy_generate(target, batch, max_new_tokens)]
+    return out
+
+
+@torch.inference_mode()
+def match_flags(
+    draft: Transformer, prompts: list[list[int]], answers: list[list[int]], use_markov: bool
+) -> list[Tensor]:
+    """Per sequence: bool [len(answer)] — does the draft, after prompt + answer[:j], guess answer[j]?"""
+    out = []
+    device = draft.model.embed_tokens.weight.device
+    for prompt, answer in zip(prompts, answers):
+        seq = prompt + answer
+        cache = KVCache.for_model(draft, 1, len(seq))
+        ids = torch.tensor([seq], device=device)
+        positions = torch.arange(len(seq), device=device)[None]
+        hidden = draft(ids, positions, torch.zeros(1, dtype=torch.int64, device=device), cache, len(seq))
+        rows = slice(len(prompt) - 1, len(seq) - 1)  # positions that predict the answer tokens
+        prev = ids[0, rows] if use_markov else None
+        guess = draft.map_to_target(draft.compute_logits(hidden[0, rows], prev).argmax(-1))
+        out.append((guess == ids[0, len(prompt) :]).cpu())
+    return out
+
+
+def replay_rounds(matches: list[Tensor], k: int) -> list[int]:
+    """Accepted lengths of the greedy speculative rounds over each sequence (see the module docstring)."""
+    accepted = []
+    for m in matches:
+        flags = m.tolist()
+        p = 0
+        while p < len(flags):
+            a = 0
+            while a < k and p + a < len(flags) and flags[p + a]:
+                a += 1
+            accepted.append(a)
+            p += a + 1  # a accepted tokens and the target's bonus token
+    return accepted
+
+
+def acceptance(matches: list[Tensor], k: int) -> Acceptance:
+    accepted = replay_rounds(matches, k)
+    mean = sum(accepted) / max(1, len(accepted))
+    total = sum(len(m) for m in matches)
+    agree = sum(int(m.sum()) for m in matches) / max(1, total)
+    return Acceptance(k, mean, solve_alpha(mean, k), len(accepted), agree)
+
+
+@torch.inference_mode()
+def draft_step_seconds(
+    draft: Transformer, use_markov: bool, context: int = 256, iters: int = 50, batch: int = 1
+) -> float:
+    """Mean seconds of one draft decode step (forward of one token + logits + argmax) at `context`."""
+    device = draft.model.embed_tokens.weight.device
+    cache = KVCache.for_model(draft, batch, context + 1)
+    ids = torch.ones(batch, 1, dtype=torch.int64, device=device)
+    slots = torch.arange(batch, device=device)
+    positions = torch.full((batch, 1), context - 1, dtype=torch.int64, device=device)
+
+    def step() -> None:
+        hidden = draft(ids, positions, slots, cache, context)
+        draft.greedy_draft_tokens(hidden[:, 0], ids[:, 0] if use_markov else None)
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(5):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / iters

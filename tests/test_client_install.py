@@ -1,0 +1,137 @@
+"""`pip install specsplit` without the [serve] extra: the SDK and the client commands work with
+grpcio/protobuf only (no torch, triton, numpy, safetensors) against real running services.
+
+Offline: the wheel is built from this checkout; a fresh venv (no system site-packages) installs it
+with --no-deps and sees only grpc, protobuf and grpc_health (linked in through a .pth directory), so
+anything else the client imported would fail here. The wheel's metadata is checked to require
+exactly those three without the extra.
+"""
+
+from __future__ import annotations
+
+import email
+import json
+import os
+import shutil
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import grpc
+import grpc_health
+import pytest
+import typing_extensions
+from google import protobuf
+from service_util import running, start_draft, start_target
+
+from specsplit.launch import REPO
+
+pytestmark = pytest.mark.slow
+
+CLIENT_DEPS = {"grpcio", "protobuf", "grpcio-health-checking"}
+
+
+def _build_wheel(out: Path) -> Path:
+    # From a copy: setuptools leaves build/ and *.egg-info in the source tree.
+    src = out.parent / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src)
+    for name in ("specsplit", "common", "draft_service", "target_service"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
+    subprocess.run([*cmd, str(src)], check=True, timeout=300)
+    return next(out.glob("specsplit-*.whl"))
+
+
+def _requires(wheel: Path) -> tuple[set[str], set[str]]:
+    """(requirements without an extra, requirements of the 'serve' extra), as bare names."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        msg = email.message_from_bytes(z.read(meta))
+    plain, serve = set(), set()
+    for req in msg.get_all("Requires-Dist") or []:
+        name = req.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
+        (serve if "extra ==" in req and "serve" in req else plain).add(name)
+    return plain, serve
+
+
+def _client_venv(root: Path, wheel: Path) -> Path:
+    venv.EnvBuilder(with_pip=False, system_site_packages=False).create(root)
+    py = root / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.check_output([py, "-c", purelib], text=True).strip())
+    # Only the three client dependencies (and what grpcio needs), from this interpreter's site-packages.
+    deps = root / "client-deps"
+    (deps / "google").mkdir(parents=True)
+    (deps / "grpc").symlink_to(Path(grpc.__file__).parent)
+    (deps / "grpc_health").symlink_to(Path(grpc_health.__path__[0]))
+    (deps / "typing_extensions.py").symlink_to(Path(typing_extensions.__file__))  # grpcio's own dependency
+    (deps / "google" / "protobuf").symlink_to(Path(protobuf.__file__).parent)
+    upb = Path(protobuf.__file__).parent.parent / "_upb"
+    if upb.exists():
+        (deps / "google" / "_upb").symlink_to(upb)
+    (site / "client-deps.pth").write_text(str(deps) + "\n")
+    # Without PYTHONPATH: pip would find this checkout's specsplit there and install nothing.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    pip = [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index"]
+    subprocess.run([*pip, str(wheel)], check=True, timeout=300, env=env)
+    return root
+
+
+def test_client_only_install(demo_models, tmp_path):
+    wheel = _build_wheel(tmp_path / "dist")
+    plain, serve = _requires(wheel)
+    assert plain == CLIENT_DEPS, plain
+    assert {"torch", "triton", "safetensors", "numpy"} <= serve, serve
+
+    env_root = _client_venv(tmp_path / "venv", wheel)
+    py, cli = env_root / "bin" / "python", env_root / "bin" / "specsplit"
+    clean = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no PYTHONPATH: only the venv
+    no_torch = subprocess.run([py, "-c", "import torch"], capture_output=True, env=clean)
+    assert no_torch.returncode != 0, "the client venv must not see torch"
+
+    draft = start_draft(demo_models.draft, tmp_path).wait_ready()
+    target = start_target(demo_models.target, tmp_path, draft, "--max-context-length", "128").wait_ready()
+    with running(draft, target):
+
+        def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*map(str, args)], capture_output=True, text=True, env=clean, timeout=120, cwd=tmp_path
+            )
+
+        health = run(cli, "health", "--target", target.address)
+        assert health.returncode == 0 and "SERVING" in health.stdout, health
+        gen = run(
+            cli,
+            "generate",
+            "--target",
+            target.address,
+            "--token-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "8",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        )
+        assert gen.returncode == 0, gen
+        sdk = run(py, "-c", f"""
+import sys, specsplit
+with specsplit.Client({target.address!r}) as c:
+    spec = c.generate([1, 2, 3], max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    plain = c.generate([1, 2, 3], max_new_tokens=8, temperature=0.0, ignore_eos=True,
+                       num_speculative_tokens=0)
+assert spec.token_ids == plain.token_ids and len(spec.token_ids) == 8, (spec, plain)
+assert spec.usage.drafted_tokens > 0, spec.usage
+heavy = sorted(m for m in ("torch", "triton", "numpy", "safetensors", "common") if m in sys.modules)
+assert not heavy, heavy
+print(spec.token_ids)
+""")  # fmt: skip
+        assert sdk.returncode == 0, sdk
+        assert json.loads(gen.stdout)["token_ids"] == json.loads(sdk.stdout), (gen.stdout, sdk.stdout)
+        serve = run(cli, "serve-target", "--help")
+        assert serve.returncode != 0 and "specsplit[serve]" in serve.stderr, serve

