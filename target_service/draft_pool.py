@@ -131,6 +131,11 @@ class DraftPool:
 
     # -- the DraftLink interface the scheduler uses --------------------------------
     @property
+    def target_vocab_size(self) -> int:
+        """The target's vocabulary (every link has the same): proposals are checked against it."""
+        return next(iter(self.replicas.values())).link.target_vocab_size
+
+    @property
     def connected(self) -> bool:
         return any(r.link.connected for r in list(self.replicas.values()))
 

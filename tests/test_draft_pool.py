@@ -21,6 +21,7 @@ class ScriptedLink:
 
     def __init__(self, address: str, metrics, slots: int):
         self.address, self.metrics, self.slots = address, metrics, slots
+        self.target_vocab_size = 512
         self.connected, self.epoch = False, 0
         self.info = draft_pb2.GetDraftInfoResponse(max_batch_size=slots, free_slots=slots)
         self.live: set[int] = set()
