@@ -26,7 +26,7 @@ import collections
 import statistics
 from collections.abc import Sequence
 
-from target_service.request import Request
+from target_service.request import Request, SpecStats
 
 FIXED, ADAPTIVE = "fixed", "adaptive"
 
@@ -94,10 +94,21 @@ class SpeculationPolicy:
             raise ValueError(f"--speculation-policy: {mode!r} is not one of fixed, adaptive")
         self.mode = mode
         self.costs = costs
-        self.prior_alpha = prior_alpha
+        # A new request's acceptance starts from the service's recent acceptance (all requests), which
+        # starts from `prior_alpha`: short requests then do not each re-learn a bad draft.
+        self.first_prior = prior_alpha
+        self.service = SpecStats()
         self.probe_every = probe_every
         self.steps_without_spec = 0
         self.probing = False
+
+    @property
+    def prior_alpha(self) -> float:
+        return self.service.alpha(self.first_prior)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One request's verdict in a step (the service-wide acceptance behind every request's prior)."""
+        self.service.observe(drafted, accepted, decay=0.995)
 
     def choose(self, batch: Sequence[Request]) -> int:
         """The step's k: each request r then drafts min(k, r.k) tokens."""
@@ -129,5 +140,6 @@ class SpeculationPolicy:
         if seconds is None:
             return None
         seconds += self.costs.draft_seconds(len(batch), k)
-        tokens = sum(expected_tokens(r.spec.alpha(self.prior_alpha), min(k, r.k)) for r in batch)
+        prior = self.prior_alpha
+        tokens = sum(expected_tokens(r.spec.alpha(prior), min(k, r.k)) for r in batch)
         return tokens / max(seconds, 1e-9)

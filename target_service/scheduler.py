@@ -332,6 +332,7 @@ class Scheduler:
         new_tokens: list[list[int]] = []
         for req, drafted, out, acc in zip(batch, drafts, tokens, accepted):
             req.spec.observe(len(drafted), acc)
+            self.policy.observe(len(drafted), acc)
             req.draft.last_accepted = acc
             if drafted:
                 self.metrics.drafts.inc()

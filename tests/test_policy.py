@@ -96,3 +96,13 @@ def test_check_stop():
     assert check_stop([5, 2, 7], frozenset({2}), eos, 10)[1] == 2  # EOS
     assert check_stop([5, 9, 7], frozenset({2, 9}), eos, 10) == ([5], 3)  # a stop token
     assert check_stop([5, 6, 7], frozenset(), eos, 2) == ([5, 6], 1)  # length
+
+
+def test_new_requests_start_from_the_service_acceptance():
+    c = costs(1, {1: 1.0e-3, 2: 1.05e-3, 3: 1.1e-3, 4: 1.15e-3, 5: 1.2e-3}, draft=0.3e-3)
+    policy = SpeculationPolicy("adaptive", c, probe_every=1000)
+    assert policy.choose(reqs(1)) == 4  # prior 0.7: worth it
+    for _ in range(200):  # the draft rarely agrees
+        policy.observe(drafted=4, accepted=0)
+    assert policy.prior_alpha < 0.1
+    assert policy.choose(reqs(1)) == 0  # a fresh request does not re-learn that
