@@ -131,8 +131,15 @@ class AioFront:
     """The aio server, its health servicer and the loop thread; the same surface as common.service.Front
     (set_serving, start) plus `call`, `stop` and `loop` for the servicer's StreamOut."""
 
-    def __init__(self, config: ServiceConfig, service_name: str, register: Callable[[grpc.aio.Server], None]):
-        """Binds everything; raises ValueError naming the flag on bad TLS/token/port settings."""
+    def __init__(
+        self,
+        config: ServiceConfig,
+        service_name: str,
+        register: Callable[[grpc.aio.Server], None],
+        metrics_port: int | None = None,
+    ):
+        """Binds everything; raises ValueError naming the flag on bad TLS/token/port settings.
+        `metrics_port`: /metrics is already served there (started before the model load)."""
         self.service_name = service_name
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
@@ -156,7 +163,9 @@ class AioFront:
             self._close_loop()
             raise
         self.set_serving(False)
-        self.metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
+        if metrics_port is None:
+            metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
+        self.metrics_port = metrics_port
 
     def call(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
         """Runs `coro` on the loop from another thread and returns its result."""

@@ -12,7 +12,7 @@ from common.grpc_util import (
     read_token,
 )
 from common.logs import setup_logging
-from common.metrics import ServiceMetrics
+from common.metrics import ServiceMetrics, start_metrics_server
 from common.service import HealthPort, model_label, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
@@ -49,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    # /metrics is up during the load too (specsplit_ready 0), so a scrape-based ServiceDown alert does not
+    # fire on every start.
+    metrics = service_metrics("target", config, verify_backend=config.verify_backend)
+    metrics.draft_connected.set(0)
+    try:
+        metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
+    except OSError as exc:
+        log.error("--metrics-port: %s", exc)
+        return 2
     log.info(
         "loading target model %s (tp=%d, %s, %s)", config.model, config.tp_size, config.device, config.dtype
     )
@@ -70,10 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         runner.num_graphs,
     )
 
-    # The aio front (common/aio_front.py) starts after the load: the target's /metrics and health are not
-    # up during it yet (the draft's are, common/service.py open_front).
-    metrics = service_metrics("target", config, verify_backend=config.verify_backend)
-    metrics.draft_connected.set(0)
+    # The aio gRPC front (common/aio_front.py) starts after the load; the health port and /metrics are
+    # already up (NOT_SERVING, specsplit_ready 0).
     try:
         link = None
         if config.draft_address:
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             config,
             SERVICE_NAME,
             lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
+            metrics_port=metrics_port,
         )
     except ValueError as exc:
         log.error("%s", exc)

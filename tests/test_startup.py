@@ -106,3 +106,39 @@ def test_health_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
     finally:
         gate.touch()
         draft.stop()
+
+
+def test_target_health_port_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
+    """The target: its plaintext health port says NOT_SERVING and /metrics serves `specsplit_ready 0`
+    during the load (the gRPC port itself opens with the aio front once the model is loaded)."""
+    hook, gate = tmp_path / "hook", tmp_path / "gate"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(LOAD_GATE_HOOK)
+    path = os.pathsep.join([str(hook), str(REPO), os.environ.get("PYTHONPATH", "")])
+    env = {"SPECSPLIT_TEST_LOAD_GATE": str(gate), "PYTHONPATH": path}
+    health_port = free_port()
+    args = ["--model", str(demo_models.target), "--health-port", str(health_port),
+            "--served-model-name", "my-target", "--verify-backend", "torch"]  # fmt: skip
+    target = start_service("target_service", args, tmp_path / "target.log", env=env)
+    try:
+        wait_for(lambda: "loading target model" in target.log_text(), 120, "the load to start")
+        wait_for(lambda: _answers(target.metrics_port), 30, "/metrics during the load")
+        assert "SPECSPLIT_READY" not in target.log_text()
+        assert ready_gauge(target.metrics_port) == {"my-target": 0.0}
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
+            assert health(plain) == NOT_SERVING
+            gate.touch()
+            target.wait_ready()
+            assert health(plain) == SERVING
+        assert ready_gauge(target.metrics_port) == {"my-target": 1.0}
+    finally:
+        gate.touch()
+        target.stop()
+
+
+def _answers(metrics_port: int) -> bool:
+    try:
+        ready_gauge(metrics_port)
+        return True
+    except OSError:
+        return False
