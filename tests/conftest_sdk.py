@@ -135,7 +135,8 @@ def sdk_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     token_file.write_text(AUTH_TOKEN + "\n")
 
     draft = start_draft(draft_model, root, "--device", "cpu")
-    target = start_target(model, root, draft)
+    # Every request speculates (fixed policy), so the tests can assert that drafts were made and accepted.
+    target = start_target(model, root, draft, "--speculation-policy", "fixed")
     secure = start_target(
         model, root, draft, *certs.server_args(token_file), "--max-queued-requests", "1", name="secure-target"
     )

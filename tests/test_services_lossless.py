@@ -27,6 +27,9 @@ from service_util import (
     start_target,
 )
 
+from common.distributed import init_tp
+from common.loader import load_model
+from common.models.generate import greedy_generate
 from specsplit.launch import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow
@@ -130,8 +133,12 @@ def test_target_tp2_lossless_and_json_logs(demo_models, tmp_path):
     ).wait_ready()
     with running(draft, target):
         ps = prompts(8, seed=5)
-        spec, _ = speculative_equals_plain(target.address, ps, 8)
+        spec, plain = speculative_equals_plain(target.address, ps, 8)
+        assert sum(r.usage.drafted_tokens for r in spec) > 0
         assert sum(r.usage.accepted_tokens for r in spec) > 0
+        # An independent reference for the TP=2 service path: one process, no TP, no service, fp32.
+        model = load_model(demo_models.target, init_tp(1, 0, device=torch.device("cpu")), device="cpu")
+        assert [r.ids for r in plain] == greedy_generate(model, ps, len(plain[0].ids))
         # The verify forward all-reduces inside the model and all-gathers the logits.
         assert target.metric("specsplit_tp_comm_calls_total", site="logits_gather") > 0
         assert target.metric("specsplit_tp_comm_calls_total", site="attn_out") > 0
