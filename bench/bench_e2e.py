@@ -37,6 +37,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.tiny import make_model_pair
+from common.training.measure import solve_alpha
 from specsplit.launch import metric_sum, start_service
 from specsplit.v1 import sampling_pb2, target_pb2, target_pb2_grpc
 
@@ -207,22 +208,6 @@ def divergence_margins(target_dir: Path, device: str, mismatches) -> list[dict]:
     return out
 
 
-def alpha_from_mean_accepted(mean_accepted: float, k: int) -> float:
-    """Per-token acceptance alpha with sum_{i=1..k} alpha^i = mean accepted length (bisection)."""
-    if mean_accepted <= 0:
-        return 0.0
-    if mean_accepted >= k:
-        return 1.0
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if sum(mid**i for i in range(1, k + 1)) < mean_accepted:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
 def ideal_speedup(mean_accepted: float, k: int, c: float) -> float:
     return (1 + mean_accepted) / (k * c + 1)
 
@@ -285,7 +270,7 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
             row[mode].update(
                 accepted_over_drafted=accepted / drafted if drafted else 0.0,
                 mean_accepted=mean_acc,
-                alpha=alpha_from_mean_accepted(mean_acc, k),
+                alpha=solve_alpha(mean_acc, k),
                 mean_k=statistics.median(r["mean_k"] for r in rs),
                 draft_round_ms=statistics.median(r["draft_round_ms"] for r in rs),
                 round_trip_ms=statistics.median(r["round_trip_ms"] for r in rs),

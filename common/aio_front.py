@@ -23,7 +23,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.grpc_util import SERVER_OPTIONS, UNAUTHENTICATED_PREFIXES, read_file, read_token
+from common.grpc_util import SERVER_OPTIONS, UNAUTHENTICATED_PREFIXES, add_port, read_token
 from common.metrics import start_metrics_server
 from common.settings import ServiceConfig
 
@@ -107,24 +107,10 @@ class StreamOut:
 
 
 def _add_port(server: grpc.aio.Server, config: ServiceConfig) -> int:
+    """Plaintext, TLS or mTLS, as the sync servers bind (grpc.aio servers take the same calls)."""
     address = f"{config.host}:{config.port}"
-    cert, key, client_ca = config.tls_cert or None, config.tls_key or None, config.tls_client_ca or None
-    if bool(cert) != bool(key):
-        raise ValueError("--tls-cert and --tls-key must be given together")
-    if client_ca and not cert:
-        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-    if cert:
-        creds = grpc.ssl_server_credentials(
-            [(read_file(key, "--tls-key"), read_file(cert, "--tls-cert"))],
-            root_certificates=read_file(client_ca, "--tls-client-ca") if client_ca else None,
-            require_client_auth=bool(client_ca),
-        )
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise ValueError(f"--port: cannot bind {address}")
-    return port
+    return add_port(server, address, config.tls_cert or None, config.tls_key or None,  # type: ignore[arg-type]
+                    config.tls_client_ca or None)  # fmt: skip
 
 
 class AioFront:
