@@ -243,6 +243,13 @@ def _exit_if_a_worker_dies(procs: list[mp.Process]) -> None:
                 os._exit(3)
 
 
+def torchrun_rank() -> int:
+    """This process's rank when torchrun started it (RANK/WORLD_SIZE set), else 0."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"])
+    return 0
+
+
 def launch_tp(
     world_size: int, device: str, entry: WorkerEntry, entry_arg: Any, backend: str | None = None
 ) -> tuple[Comm, list[mp.Process]]:

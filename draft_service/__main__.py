@@ -10,7 +10,7 @@ from common.kv_cache import SlotTable
 from common.logs import setup_logging
 from common.service import model_label, open_front, serve_until_drained, service_metrics
 from common.settings import parse_config
-from common.tp_executor import launch_tp
+from common.tp_executor import launch_tp, torchrun_rank
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftRunner, DraftState, tp_worker
 from draft_service.server import DraftServicer
@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     # The step loop, the gRPC threads and the streamer share the GIL: at the default 5 ms switch interval
     # a busy thread can hold up a message that has already arrived by up to 5 ms per thread hop.
     sys.setswitchinterval(0.0005)
+    if torchrun_rank() > 0:
+        # torchrun runs main() on every rank: ranks > 0 hold a model shard and serve rank 0's steps; the
+        # ports (gRPC, health, /metrics) belong to rank 0 alone. launch_tp does not return here.
+        launch_tp(config.tp_size, config.device, tp_worker, config)
     # Metrics, health (NOT_SERVING) and the gRPC port (UNAVAILABLE) come up before the model loads.
     metrics = service_metrics("draft", config, method=config.method)
     try:

@@ -16,7 +16,7 @@ from common.metrics import ServiceMetrics, start_metrics_server
 from common.service import HealthPort, model_label, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
-from common.tp_executor import launch_tp
+from common.tp_executor import launch_tp, torchrun_rank
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     # The step loop, the gRPC threads and the streamer share the GIL: at the default 5 ms switch interval
     # a busy thread can hold up a message that has already arrived by up to 5 ms per thread hop.
     sys.setswitchinterval(0.0005)
+    if torchrun_rank() > 0:
+        # torchrun runs main() on every rank: ranks > 0 hold a model shard and serve rank 0's steps; the
+        # ports (gRPC, health, /metrics) belong to rank 0 alone. launch_tp does not return here.
+        launch_tp(config.tp_size, config.device, tp_worker, config)
     # Plaintext health for kubelet probes (TLS-proof), NOT_SERVING from now until the model is loaded.
     try:
         health_port = HealthPort.open(config, SERVICE_NAME)

@@ -205,11 +205,13 @@ class TargetRunner:
             self.buffers[key] = StepBuffers(batch, width, self.scratch_slot, self.device)
         return self.buffers[key]
 
-    def _forward(self, buf: StepBuffers, ctx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, buf: StepBuffers, ctx: int, with_verify: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward + logits (+ the rejection kernel): fp32 logits [B * W, V], packed [B, W + 2] int32."""
         hidden = self.model(buf.view("input_ids"), buf.view("positions"), buf.view("slots"), self.cache, ctx)
         logits = self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
-        if not self.verify_in_graph:
+        if not (self.verify_in_graph and with_verify):
             return logits, None
         return logits, _packed(verify(logits, *buf.verify_args()))
 
@@ -278,6 +280,7 @@ class TargetRunner:
         seeds: list[int],
         temperatures: list[float],
         width: int,
+        eager_verify: int = 0,  # an int, not a bool: the TP step message packs ints
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """Runs the step's forward (and in-graph rejection kernel), padded to the buckets. Plain lists, so
         the TP executor sends them as one packed message. Row b: tokens[b] = [t_n, d_1..d_k] at positions
@@ -292,7 +295,8 @@ class TargetRunner:
         if not self.use_graphs:
             if self.events is not None:
                 self.events[0].record()
-            logits, packed = self._forward(buf, ctx)
+            # Eager steps skip the in-step kernel when rank 0 will run the eager one anyway.
+            logits, packed = self._forward(buf, ctx, with_verify=not eager_verify)
             return logits, packed, padded
         key = (padded, width, ctx)
         if key not in self.graphs:  # a width past the default k: counted, logged, captured once
@@ -319,6 +323,7 @@ class TargetRunner:
             seeds=[r.seed for r in rows],
             temperatures=[float(r.temperature) for r in rows],
             width=width,
+            eager_verify=int(any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)),
         )
         eager = packed is None or any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)
         if eager:
