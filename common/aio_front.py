@@ -12,7 +12,6 @@ Health, reflection, TLS/mTLS and the bearer token work as in the sync front (sam
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import threading
 from collections.abc import Callable, Coroutine
@@ -23,7 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.grpc_util import SERVER_OPTIONS, UNAUTHENTICATED_PREFIXES, add_port, read_token
+from common.grpc_util import SERVER_OPTIONS, add_port, allowed, denial, read_token
 from common.metrics import start_metrics_server
 from common.settings import ServiceConfig
 
@@ -51,20 +50,9 @@ class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._deny_stream_stream = grpc.stream_stream_rpc_method_handler(deny_stream)
 
     async def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        if details.method.startswith(UNAUTHENTICATED_PREFIXES):
+        if allowed(details, self._expected):
             return await continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        given = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(given, self._expected):
-            return await continuation(details)
-        handler = await continuation(details)
-        if handler is None:
-            return None
-        if handler.request_streaming and handler.response_streaming:
-            return self._deny_stream_stream
-        if handler.response_streaming:
-            return self._deny_unary_stream
-        return self._deny_unary
+        return denial(self, await continuation(details))
 
 
 class StreamOut:

@@ -61,21 +61,28 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         self._deny_stream_stream = grpc.stream_stream_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails) -> Any:
-        method = handler_call_details.method
-        if method.startswith(UNAUTHENTICATED_PREFIXES):
+        if allowed(handler_call_details, self._expected):
             return continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        given = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(given, self._expected):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        if handler.request_streaming and handler.response_streaming:
-            return self._deny_stream_stream
-        if handler.response_streaming:
-            return self._deny_unary_stream
-        return self._deny_unary
+        return denial(self, continuation(handler_call_details))
+
+
+def allowed(details: grpc.HandlerCallDetails, expected: bytes) -> bool:
+    """An open method (health, reflection) or the right bearer token (compared in constant time)."""
+    if details.method.startswith(UNAUTHENTICATED_PREFIXES):
+        return True
+    metadata = dict(details.invocation_metadata or ())
+    return hmac.compare_digest(str(metadata.get("authorization", "")).encode(), expected)
+
+
+def denial(interceptor: Any, handler: Any) -> Any:
+    """The interceptor's UNAUTHENTICATED handler of the same streaming kind as `handler` (None: unknown)."""
+    if handler is None:
+        return None
+    if handler.request_streaming and handler.response_streaming:
+        return interceptor._deny_stream_stream
+    if handler.response_streaming:
+        return interceptor._deny_unary_stream
+    return interceptor._deny_unary
 
 
 def make_server(max_workers: int, auth_token_file: str | None) -> grpc.Server:

@@ -131,9 +131,8 @@ class DraftRunner:
         for j in range(k):
             token = self.model.map_to_target(draft_ids)
             drafted.append(token)
-            if ids is not None:
-                all_ids.append(self.model.map_to_target(ids))
-                all_probs.append(probs)
+            all_ids.append(self.model.map_to_target(ids))
+            all_probs.append(probs)
             if j == k - 1:
                 break
             ctx = min(self.max_len, batch.ctx_len + j + 1)
@@ -141,8 +140,6 @@ class DraftRunner:
             draft_ids, ids, probs = self._pick(hidden, token, temperature, seed_t, positions + 1)
             positions = positions + 1
         tokens = torch.stack(drafted, dim=1).tolist()
-        if not all_ids:
-            return RoundOutput(tokens)
         ids = torch.stack(all_ids, dim=1).flatten(1)
         probs = torch.stack(all_probs, dim=1).flatten(1)
         greedy = [t <= 0 for t in temperatures]

@@ -315,6 +315,7 @@ class TargetRunner:
     @torch.inference_mode()
     def step(self, rows: list[StepRow], width: int) -> StepResult:
         """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row."""
+        eager = any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)
         logits, packed, padded = self.executor.run(
             "verify_step",
             tokens=[[r.last_token, *r.drafts] for r in rows],
@@ -323,10 +324,9 @@ class TargetRunner:
             seeds=[r.seed for r in rows],
             temperatures=[float(r.temperature) for r in rows],
             width=width,
-            eager_verify=int(any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)),
+            eager_verify=int(eager),
         )
-        eager = packed is None or any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)
-        if eager:
+        if eager or packed is None:
             packed = self._verify_eager(rows, logits, padded, width)
         n = len(rows)
         if self.out_host is not None:
