@@ -67,12 +67,13 @@ PRESETS = {
 LATE_LAYER_SCALE = {"qwen1.5b": 0.02, "tiny": 0.1}
 
 
-def make_models(root: Path, preset: str) -> tuple[Path, Path]:
+def make_models(root: Path, preset: str, markov_rank: int = 0) -> tuple[Path, Path]:
     shape = dict(PRESETS[preset])
     draft_layers, target_layers = shape.pop("draft_layers"), shape.pop("num_layers")
-    return make_model_pair(root / f"{preset}-target", root / f"{preset}-draft", draft_layers=draft_layers,
+    draft = root / (f"{preset}-draft-markov{markov_rank}" if markov_rank else f"{preset}-draft")
+    return make_model_pair(root / f"{preset}-target", draft, draft_layers=draft_layers,
                            target_layers=target_layers, late_layer_scale=LATE_LAYER_SCALE[preset],
-                           max_position_embeddings=4096, **shape)  # fmt: skip
+                           markov_rank=markov_rank, max_position_embeddings=4096, **shape)  # fmt: skip
 
 
 def one(stub, ids: list[int], n: int, k: int) -> dict:
@@ -121,6 +122,7 @@ def snapshot(target, draft) -> dict[str, float]:
         d = draft.scrape()
         snap["draft_sum"] = metric_sum(d, "specsplit_draft_step_seconds_sum")
         snap["draft_n"] = metric_sum(d, "specsplit_draft_step_seconds_count")
+        snap["draft_tp_bytes"] = metric_sum(d, "specsplit_tp_comm_bytes_total")  # draft rank 0's sends
     return snap
 
 
@@ -152,6 +154,7 @@ def run_batch(service, draft, prompts: list[list[int]], n: int, k: int) -> dict:
         "mean_k": ratio(delta, "k_sum", "k_n"),
         "draft_round_ms": 1e3 * ratio(delta, "draft_sum", "draft_n"),
         "round_trip_ms": 1e3 * ratio(delta, "rt_sum", "rt_n"),
+        "draft_tp_bytes_per_drafted_token": delta.get("draft_tp_bytes", 0.0) / drafted if drafted else 0.0,
         "fallback_steps": delta.get("fallbacks", 0.0),
         "serving_captures": delta.get("captures", 0.0),
     }
@@ -274,6 +277,8 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
                 mean_k=statistics.median(r["mean_k"] for r in rs),
                 draft_round_ms=statistics.median(r["draft_round_ms"] for r in rs),
                 round_trip_ms=statistics.median(r["round_trip_ms"] for r in rs),
+                draft_tp_bytes_per_drafted_token=statistics.median(
+                    r["draft_tp_bytes_per_drafted_token"] for r in rs),
                 speedup_vs_plain=row[mode]["tokens_per_s"]["median"] / row["plain"]["tokens_per_s"]["median"]
                 if "plain" in row else 0.0,
                 speedup_each_repeat=[a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rs, runs["plain"])]
@@ -335,6 +340,7 @@ def main() -> int:
     ap.add_argument(
         "--draft-args", default="", help="extra draft flags, e.g. '--no-use-local-argmax-reduction'"
     )
+    ap.add_argument("--draft-markov-rank", type=int, default=0, help="draft Markov head rank")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--models", type=Path, default=None)
@@ -344,7 +350,7 @@ def main() -> int:
 
     root = args.models or Path(tempfile.gettempdir()) / "specsplit-bench-models"
     t0 = time.perf_counter()
-    target_dir, draft_dir = make_models(root, args.preset)
+    target_dir, draft_dir = make_models(root, args.preset, args.draft_markov_rank)
     print(f"models ready in {time.perf_counter() - t0:.0f}s at {root}", flush=True)
     vocab = PRESETS[args.preset]["vocab_size"]
     import random

@@ -90,8 +90,33 @@ class StreamOut:
     async def get(self) -> Any:
         return await self.queue.get()
 
+    def get_nowait(self) -> Any:
+        return self.queue.get_nowait()
+
     def pending(self) -> int:
         return self.queue.qsize()
+
+
+def put_all(items: list[tuple[StreamOut, Any]]) -> None:
+    """`out.put(item)` for every pair, with one loop wake-up per loop instead of one per item.
+
+    A step of B requests yields B outputs at once; each call_soon_threadsafe writes the loop's self-pipe
+    and wakes it, and at small step times those wake-ups and their GIL hand-offs showed up as host time
+    of the scheduler's step. Per-stream order is kept (pairs are delivered in list order).
+    """
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[StreamOut, Any]]] = {}
+    for out, item in items:
+        by_loop.setdefault(out.loop, []).append((out, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver_all, batch)
+        except RuntimeError:  # the loop is closed (server stopped): nobody is listening
+            pass
+
+
+def _deliver_all(batch: list[tuple[StreamOut, Any]]) -> None:
+    for out, item in batch:
+        out._deliver(item)
 
 
 def _add_port(server: grpc.aio.Server, config: ServiceConfig) -> int:

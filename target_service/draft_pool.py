@@ -168,7 +168,12 @@ class DraftPool:
         False when nothing could be sent and nothing needs reporting.
         """
         with self._lock:
-            parts, lost = self._split(msg)
+            sole = self._sole_replica(msg)
+            if sole is not None:  # one replica holds every request: the message goes as it is
+                self._place_starts(msg, sole)
+                parts, lost = {sole: (msg, sole.link.epoch)}, set()
+            else:
+                parts, lost = self._split(msg)
             sent: dict[Replica, int] = {}
             for replica, (part, link_epoch) in parts.items():
                 if replica.link.send(part, link_epoch):
@@ -191,6 +196,18 @@ class DraftPool:
             sent, lost = self._sent.pop(step, ({}, set()))
             for old in [s for s in self._sent if s < step]:  # sends nobody waits for (releases only)
                 del self._sent[old]
+        if len(sent) == 1 and not lost:  # one replica answers for all: its response is the answer
+            [(replica, link_epoch)] = sent.items()
+            response = replica.link.receive(step, link_epoch, deadline)
+            with self._lock:
+                if response is not None:
+                    self._record(replica, response)
+                elif not replica.link.connected or replica.link.epoch != link_epoch:
+                    lost.update(self._forget(replica, link_epoch))
+            self._update_gauges()
+            if response is None and lost:
+                return draft_pb2.SpeculateResponse(step=step, unknown_request_ids=sorted(lost))
+            return response
         merged = draft_pb2.SpeculateResponse(step=step, unknown_request_ids=sorted(lost))
         answered = False
         for replica, link_epoch in sent.items():
@@ -256,6 +273,32 @@ class DraftPool:
         for rid in lost:
             self._drop(rid)
         return parts, lost
+
+    def _sole_replica(self, msg: draft_pb2.SpeculateRequest) -> Replica | None:
+        """The pool's only replica when it is live and already holds every request `msg` names (the
+        common single-draft deployment): then no split or merge copies the step's messages."""
+        if len(self.replicas) != 1:
+            return None
+        [replica] = self.replicas.values()
+        if not replica.link.connected:
+            return None
+        if any(self._live_placement(rid) is not replica for rid in msg.releases):
+            return None
+        started = {s.request_id for s in msg.starts}
+        for rids in ((v.request_id for v in msg.verdicts), msg.propose):
+            if any(rid not in started and self._live_placement(rid) is not replica for rid in rids):
+                return None
+        return replica
+
+    def _place_starts(self, msg: draft_pb2.SpeculateRequest, replica: Replica) -> None:
+        """Placement bookkeeping of `_split` for a message sent whole to `replica`."""
+        for rid in msg.releases:
+            self.placement.pop(rid, None)
+            replica.requests.discard(rid)
+        for start in msg.starts:
+            self.placement[start.request_id] = (replica, replica.link.epoch)
+            replica.requests.add(start.request_id)
+            replica.placed_since_report += 1
 
     def _live_placement(self, rid: int) -> Replica | None:
         """The request's replica if it still holds the request (same stream, still in the pool)."""

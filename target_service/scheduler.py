@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 
+from common.aio_front import StreamOut, put_all
 from common.kv_cache import SlotTable
 from common.metrics import ServiceMetrics
 from specsplit.v1 import target_pb2
@@ -46,8 +47,9 @@ class Streamer:
     """Detokenization, stop strings and client writes, on their own thread in step order.
 
     Every item for a request passes through one queue, so its chunks and its final message keep their
-    order. A stop string found here ends the request: it is marked, and the scheduler finishes it at
-    its next step (tokens verified meanwhile are never streamed).
+    order. A step's outputs arrive as one item and leave as one hand-off to the event loop (put_all),
+    not one per request. A stop string found here ends the request: it is marked, and the scheduler
+    finishes it at its next step (tokens verified meanwhile are never streamed).
     """
 
     def __init__(self, metrics: ServiceMetrics, on_done):
@@ -55,6 +57,7 @@ class Streamer:
         self.on_done = on_done
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="streamer", daemon=True)
+        self._outbox: list[tuple[StreamOut, object]] = []
 
     def start(self) -> None:
         self.thread.start()
@@ -63,25 +66,46 @@ class Streamer:
         self.q.put(None)
         self.thread.join(timeout=30)
 
-    def tokens(self, req: Request, new: list[int], now: float) -> None:
-        self.q.put(("tokens", req, new, now))
+    def tokens(self, items: list[tuple[Request, list[int]]], now: float) -> None:
+        """One step's new tokens, (request, ids) per request that has any."""
+        if items:
+            self.q.put(("tokens", items, now))
 
     def finish(self, req: Request, reason: int, usage: target_pb2.Usage, error: str) -> None:
-        self.q.put(("finish", req, (reason, usage, error), time.perf_counter()))
+        self.q.put(("finish", (req, reason, usage, error), time.perf_counter()))
 
     def _run(self) -> None:
         while True:
             item = self.q.get()
+            done: list[Request] = []
+            while item is not None:  # everything queued so far, then one hand-off to the loop
+                self._handle(item, done)
+                try:
+                    item = self.q.get_nowait()
+                except queue.Empty:
+                    break
+            put_all(self._outbox)
+            self._outbox = []
+            for req in done:
+                self.on_done(req)
             if item is None:
                 return
-            kind, req, payload, now = item
-            try:
-                if kind == "tokens":
-                    self._tokens(req, payload, now)
-                else:
-                    self._finish(req, *payload, now)
-            except Exception:  # a client-side failure must not stop the other streams
-                log.exception("streaming request %s failed", req.request_id)
+
+    def _handle(self, item: tuple, done: list[Request]) -> None:
+        kind, payload, now = item
+        if kind == "tokens":
+            for req, new in payload:
+                try:
+                    self._tokens(req, new, now)
+                except Exception:  # a client-side failure must not stop the other streams
+                    log.exception("streaming request %s failed", req.request_id)
+            return
+        req = payload[0]
+        try:
+            self._finish(*payload, now)
+        except Exception:
+            log.exception("streaming request %s failed", req.request_id)
+        done.append(req)
 
     def _tokens(self, req: Request, new: list[int], now: float) -> None:
         if req.cancelled == "stop_string":
@@ -106,14 +130,12 @@ class Streamer:
         if req.first_token:
             self.metrics.observe_tpot(now - req.first_token, req.streamed)
         if error:
-            req.out.put(RuntimeError(error))
+            self._outbox.append((req.out, RuntimeError(error)))
         elif req.cancelled != "client":
             usage.output_tokens = req.streamed
-            req.out.put(
-                target_pb2.GenerateResponse(request_id=req.request_id, finish_reason=reason, usage=usage)
-            )
-        req.out.put(None)
-        self.on_done(req)
+            last = target_pb2.GenerateResponse(request_id=req.request_id, finish_reason=reason, usage=usage)
+            self._outbox.append((req.out, last))
+        self._outbox.append((req.out, None))
 
     def _send(self, req: Request, ids: list[int], text: str, now: float) -> None:
         if not req.first_token:
@@ -125,8 +147,9 @@ class Streamer:
         req.streamed += len(ids)
         self.metrics.generated_tokens.inc(len(ids))
         logprobs, req.pending_logprobs[: len(ids)] = req.pending_logprobs[: len(ids)], []
-        req.out.put(target_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text,
-                                                logprobs=logprobs))  # fmt: skip
+        msg = target_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text,
+                                          logprobs=logprobs)  # fmt: skip
+        self._outbox.append((req.out, msg))
 
 
 class Scheduler:
@@ -330,16 +353,19 @@ class Scheduler:
         """Stop checks on token ids, the next ask to the draft (before any streaming), then streaming."""
         finished: list[tuple[Request, int]] = []
         new_tokens: list[list[int]] = []
+        # Counters summed over the batch, then one inc each: a labelled inc costs microseconds of GIL
+        # per call, which at B=64 is a visible share of a ~2 ms step.
+        num_drafts = num_drafted = num_accepted = 0
+        at_position = [0] * (max(accepted, default=0) + 1)  # at_position[a]: rows that accepted exactly a
         for req, drafted, out, acc in zip(batch, drafts, tokens, accepted):
             req.spec.observe(len(drafted), acc)
             self.policy.observe(len(drafted), acc)
             req.draft.last_accepted = acc
             if drafted:
-                self.metrics.drafts.inc()
-                self.metrics.draft_tokens.inc(len(drafted))
-                self.metrics.accepted_tokens.inc(acc)
-                for pos in range(acc):
-                    self.metrics.accepted_at_position(pos).inc()
+                num_drafts += 1
+                num_drafted += len(drafted)
+                num_accepted += acc
+                at_position[acc] += 1
             new, finish = check_stop(out, req.stop_ids, self.eos_ids, req.max_new_tokens - len(req.output))
             req.tokens.extend(out)  # the KV must match what the draft is told
             req.output.extend(new)
@@ -349,10 +375,15 @@ class Scheduler:
                 finished.append((req, finish))
         done = {id(r) for r, _ in finished}
         self._ask([r for r in batch if id(r) not in done and not r.cancelled])
-        now = time.perf_counter()
-        for req, new in zip(batch, new_tokens):
-            if new:
-                self.streamer.tokens(req, new, now)
+        self.streamer.tokens([(req, new) for req, new in zip(batch, new_tokens) if new], time.perf_counter())
+        if num_drafts:
+            self.metrics.drafts.inc(num_drafts)
+            self.metrics.draft_tokens.inc(num_drafted)
+            self.metrics.accepted_tokens.inc(num_accepted)
+            reaching = num_drafts - at_position[0]  # rows whose accepted run reached position pos
+            for pos in range(1, len(at_position)):
+                self.metrics.accepted_at_position(pos - 1).inc(reaching)
+                reaching -= at_position[pos]
         for req, finish in finished:
             self._finish(req, finish)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import secrets
+from typing import Any
 
 import grpc
 
@@ -28,6 +29,16 @@ INLINE_TEXT = 4096  # longer text prompts (and chat templates) are tokenized off
 
 class InvalidRequest(Exception):
     """The message starts with the offending field's name."""
+
+
+_NOTHING = object()
+
+
+def _is_chunk(item: Any) -> bool:
+    """A message that only carries tokens (no finish reason, no usage): mergeable with the next one."""
+    if not isinstance(item, target_pb2.GenerateResponse):
+        return False
+    return not item.finish_reason and not item.HasField("usage")
 
 
 class _Rejected(Exception):
@@ -199,9 +210,21 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             await self._abort(context, exc.code, exc.message)
         self.metrics.prompt_tokens.inc(len(req.prompt))
         done = False
+        held: Any = _NOTHING  # an item taken while coalescing that was not a chunk
         try:
             while True:
-                item = await out.get()
+                item = await out.get() if held is _NOTHING else held
+                held = _NOTHING
+                # Chunks that queued up while this stream waited go out as one message: when the loop
+                # lags behind the steps, each stream costs one write, not one per step.
+                while _is_chunk(item) and out.pending():
+                    nxt = out.get_nowait()
+                    if not _is_chunk(nxt):
+                        held = nxt
+                        break
+                    item.token_ids.extend(nxt.token_ids)
+                    item.text += nxt.text
+                    item.logprobs.extend(nxt.logprobs)
                 if item is None:
                     done = True
                     return

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Serving-loop re-measure on nvidia-h200-x2 after the host-path changes (docs/benchmarks.md, "Serving
+# loop"): `colocated` runs both services on GPU 0 at B = 1, 16, 64 and records a py-spy profile (GIL
+# holders, per thread) of the targets during a B=16 run; `split` runs the draft on GPU 0 and the target
+# on GPU 1 at B = 1, 16, 64. Needs .whl (grpcio-health-checking, grpcio-reflection, py-spy).
+#   bash bench/device_serving2.sh colocated|split
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+PLACEMENT=${1:-colocated}
+mkdir -p "$OUT"
+trap 'tail -n 25 /tmp/e2e-logs*/*.log 2>/dev/null' ERR
+[ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site .whl/grpcio_health*.whl .whl/grpcio_reflection*.whl .whl/py_spy*.whl
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+common=(--preset qwen1.5b --device cuda --dtypes bfloat16 --repeats 3 --new-tokens 128 --models /tmp/models)
+if [ "$PLACEMENT" = colocated ]; then
+  # GIL profile of every target process during a long B=16 run (1024 new tokens, after the warm-up).
+  (until grep -q "services ready" /tmp/prof.txt 2>/dev/null; do sleep 1; done; sleep 15
+   for p in $(pgrep -f "m target_service" || true); do
+     timeout 40 /tmp/site/bin/py-spy record -p "$p" -d 15 -r 250 --threads --gil -f raw \
+       -o "/tmp/pyspy-gil-$p.txt" >/dev/null 2>&1 &
+     timeout 40 /tmp/site/bin/py-spy record -p "$p" -d 15 -r 250 --threads -f raw \
+       -o "/tmp/pyspy-all-$p.txt" >/dev/null 2>&1 &
+   done; wait) &
+  python3 bench/bench_e2e.py "${common[@]}" --batches 16 --repeats 3 --new-tokens 1024 --placement colocated \
+    --logs /tmp/e2e-logs-prof --out "$OUT/e2e-prof.json" | tee /tmp/prof.txt | grep -v '^{' | tail -4
+  wait
+  cat /tmp/pyspy-*.txt > "$OUT/pyspy.txt" 2>/dev/null || true
+  python3 bench/pyspy_summary.py /tmp/pyspy-*.txt | tee "$OUT/pyspy_summary.txt" || true
+fi
+python3 bench/bench_e2e.py "${common[@]}" --batches 1 16 64 --placement "$PLACEMENT" \
+  --logs "/tmp/e2e-logs-$PLACEMENT" --out "$OUT/e2e-$PLACEMENT.json" | tee "$OUT/e2e-$PLACEMENT.txt" | grep -v '^{'

@@ -1,0 +1,31 @@
+"""Summarises py-spy `--threads -f raw` profiles: samples per thread and the top leaf frames of each.
+
+    python bench/pyspy_summary.py /tmp/pyspy-gil-*.txt
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+
+
+def main(paths: list[str]) -> None:
+    for path in paths:
+        per_thread: collections.Counter[str] = collections.Counter()
+        leaves: collections.Counter[tuple[str, str]] = collections.Counter()
+        for line in open(path):
+            stack, _, count = line.rstrip().rpartition(" ")
+            frames = stack.split(";")
+            thread = frames[0].split(": ", 1)[-1]
+            per_thread[thread] += int(count)
+            leaves[(thread, frames[-1])] += int(count)
+        total = sum(per_thread.values()) or 1
+        print(f"== {path}: {total} samples")
+        for thread, n in per_thread.most_common(8):
+            print(f"  {thread:40s} {n / total:6.1%}")
+        for (thread, leaf), n in leaves.most_common(25):
+            print(f"    {n / total:6.1%} {thread[:20]:20s} {leaf[:110]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
