@@ -14,9 +14,11 @@ trap 'tail -n 25 /tmp/e2e-logs*/*.log 2>/dev/null' ERR
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 common=(--preset qwen1.5b --device cuda --dtypes bfloat16 --repeats 3 --new-tokens 128 --models /tmp/models)
 if [ "$PLACEMENT" = colocated ]; then
-  # GIL profile of every target process during a long B=16 run (1024 new tokens, after the warm-up).
+  # GIL profile of every target and draft process during a long B=16 run (1024 new tokens, after the warm-up).
   (until grep -q "services ready" /tmp/prof.txt 2>/dev/null; do sleep 1; done; sleep 15
-   for p in $(pgrep -f "m target_service" || true); do
+   for p in $(pgrep -f "m (target|draft)_service" || true); do
+     tr '\0' ' ' < "/proc/$p/cmdline" | grep -o -- "-m [a-z_]*service.*--speculation-policy [a-z]*\|-m [a-z_]*service" \
+       | head -1 > "/tmp/pyspy-cmd-$p.txt" || true
      timeout 40 /tmp/site/bin/py-spy record -p "$p" -d 15 -r 250 --threads --gil -f raw \
        -o "/tmp/pyspy-gil-$p.txt" >/dev/null 2>&1 &
      timeout 40 /tmp/site/bin/py-spy record -p "$p" -d 15 -r 250 --threads -f raw \
@@ -26,7 +28,7 @@ if [ "$PLACEMENT" = colocated ]; then
     --logs /tmp/e2e-logs-prof --out "$OUT/e2e-prof.json" | tee /tmp/prof.txt | grep -v '^{' | tail -4
   wait
   cat /tmp/pyspy-*.txt > "$OUT/pyspy.txt" 2>/dev/null || true
-  python3 bench/pyspy_summary.py /tmp/pyspy-*.txt | tee "$OUT/pyspy_summary.txt" || true
+  python3 bench/pyspy_summary.py /tmp/pyspy-gil-*.txt /tmp/pyspy-all-*.txt | tee "$OUT/pyspy_summary.txt" || true
 fi
 python3 bench/bench_e2e.py "${common[@]}" --batches 1 16 64 --placement "$PLACEMENT" \
   --logs "/tmp/e2e-logs-$PLACEMENT" --out "$OUT/e2e-$PLACEMENT.json" | tee "$OUT/e2e-$PLACEMENT.txt" | grep -v '^{'

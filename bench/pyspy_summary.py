@@ -1,12 +1,13 @@
 """Summarises py-spy `--threads -f raw` profiles: samples per thread and the top leaf frames of each.
 
-    python bench/pyspy_summary.py /tmp/pyspy-gil-*.txt
+python bench/pyspy_summary.py /tmp/pyspy-gil-*.txt
 """
 
 from __future__ import annotations
 
 import collections
 import sys
+from pathlib import Path
 
 
 def main(paths: list[str]) -> None:
@@ -20,7 +21,10 @@ def main(paths: list[str]) -> None:
             per_thread[thread] += int(count)
             leaves[(thread, frames[-1])] += int(count)
         total = sum(per_thread.values()) or 1
-        print(f"== {path}: {total} samples")
+        pid = Path(path).stem.rsplit("-", 1)[-1]
+        cmd = Path(path).with_name(f"pyspy-cmd-{pid}.txt")
+        what = cmd.read_text().strip() if cmd.exists() else ""
+        print(f"== {path} ({what}): {total} samples")
         for thread, n in per_thread.most_common(8):
             print(f"  {thread:40s} {n / total:6.1%}")
         for (thread, leaf), n in leaves.most_common(25):
