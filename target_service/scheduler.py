@@ -94,11 +94,13 @@ class Streamer:
     def _handle(self, item: tuple, done: list[Request]) -> None:
         kind, payload, now = item
         if kind == "tokens":
+            streamed = 0
             for req, new in payload:
                 try:
-                    self._tokens(req, new, now)
+                    streamed += self._tokens(req, new, now)
                 except Exception:  # a client-side failure must not stop the other streams
                     log.exception("streaming request %s failed", req.request_id)
+            self.metrics.generated_tokens.inc(streamed)
             return
         req = payload[0]
         try:
@@ -107,14 +109,16 @@ class Streamer:
             log.exception("streaming request %s failed", req.request_id)
         done.append(req)
 
-    def _tokens(self, req: Request, new: list[int], now: float) -> None:
+    def _tokens(self, req: Request, new: list[int], now: float) -> int:
+        """Streams what `new` releases; returns how many tokens that was."""
         if req.cancelled == "stop_string":
-            return
+            return 0
         delta = req.detok.push(new)
         if delta.token_ids or delta.text:
             self._send(req, delta.token_ids, delta.text, now)
         if delta.stopped:
             req.cancelled = "stop_string"
+        return len(delta.token_ids)
 
     def _finish(self, req: Request, reason: int, usage: target_pb2.Usage, error: str, now: float) -> None:
         if req.cancelled == "stop_string" and not error:
@@ -123,6 +127,7 @@ class Streamer:
             rest = req.detok.flush()
             if rest.token_ids or rest.text:
                 self._send(req, rest.token_ids, rest.text, now)
+                self.metrics.generated_tokens.inc(len(rest.token_ids))
         name = FINISH.Name(reason).removeprefix("FINISH_REASON_").lower()
         self.metrics.finished(name).inc()
         if reason != FINISH.FINISH_REASON_ABORTED or req.first_token:
@@ -145,7 +150,6 @@ class Streamer:
             self.metrics.inter_token_latency.observe(now - req.last_chunk)
         req.last_chunk = now
         req.streamed += len(ids)
-        self.metrics.generated_tokens.inc(len(ids))
         logprobs, req.pending_logprobs[: len(ids)] = req.pending_logprobs[: len(ids)], []
         msg = target_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text,
                                           logprobs=logprobs)  # fmt: skip

