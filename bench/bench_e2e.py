@@ -76,11 +76,11 @@ def make_models(root: Path, preset: str, markov_rank: int = 0) -> tuple[Path, Pa
                            markov_rank=markov_rank, max_position_embeddings=4096, **shape)  # fmt: skip
 
 
-def one(stub, ids: list[int], n: int, k: int) -> dict:
+def one(stub, ids: list[int], n: int, k: int, ignore_eos: bool = True) -> dict:
     req = target_pb2.GenerateRequest(
         token_ids=target_pb2.TokenIds(ids=ids),
         max_new_tokens=n,
-        ignore_eos=True,
+        ignore_eos=ignore_eos,
         num_speculative_tokens=k,
         sampling=sampling_pb2.SamplingParams(temperature=0),
     )
@@ -130,13 +130,13 @@ def ratio(delta: dict, a: str, b: str) -> float:
     return delta.get(a, 0.0) / delta[b] if delta.get(b) else 0.0
 
 
-def run_batch(service, draft, prompts: list[list[int]], n: int, k: int) -> dict:
+def run_batch(service, draft, prompts: list[list[int]], n: int, k: int, ignore_eos: bool = True) -> dict:
     before = snapshot(service, draft)
     with grpc.insecure_channel(service.address) as ch:
         stub = target_pb2_grpc.TargetServiceStub(ch)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: one(stub, p, n, k), prompts))
+            results = list(pool.map(lambda p: one(stub, p, n, k, ignore_eos), prompts))
         wall = time.perf_counter() - t0
     after = snapshot(service, draft)
     delta = {key: after[key] - before.get(key, 0.0) for key in after}
@@ -164,19 +164,24 @@ def gpu_split(
     device: str, draft_tp: int, target_tp: int, placement: str = "auto"
 ) -> tuple[dict[str, str], dict[str, str]]:
     """Separate GPUs for the two services when the machine has enough and placement allows (each TP
-    group from its device 0); `colocated` puts both groups on the first GPUs."""
+    group from its device 0); `colocated` puts both groups on the first GPUs. GPU ids come from this
+    process's CUDA_VISIBLE_DEVICES when set: the services' own value replaces it ("0" = physical GPU 0)."""
     if device != "cuda":
         return {}, {}
+    import os
+
     import torch
 
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     if placement == "colocated":
-        shared = ",".join(str(i) for i in range(max(draft_tp, target_tp)))
+        shared = ",".join(gpus[: max(draft_tp, target_tp)])
         return {"CUDA_VISIBLE_DEVICES": shared}, {"CUDA_VISIBLE_DEVICES": shared}
     if torch.cuda.device_count() < draft_tp + target_tp:
         if placement == "split":
             raise SystemExit(f"--placement split needs {draft_tp + target_tp} GPUs")
         return {}, {}  # both share the visible GPUs (one H200: both on it)
-    ids = [str(i) for i in range(draft_tp + target_tp)]
+    ids = gpus[: draft_tp + target_tp]
     return {"CUDA_VISIBLE_DEVICES": ",".join(ids[:draft_tp])}, {
         "CUDA_VISIBLE_DEVICES": ",".join(ids[draft_tp:])
     }

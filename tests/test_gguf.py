@@ -301,3 +301,26 @@ def test_chat_template_errors():
     strict = Tokenizer(chat_template="{{ raise_exception('only user turns') }}")
     with pytest.raises(ChatTemplateError, match="only user turns"):
         strict.render_chat([{"role": "system", "content": "x"}])
+
+
+def test_gguf_travels_in_parts_and_is_rebuilt_exactly(tmp_path):
+    # bench/gguf_chunks.py: the file is split, the parts arrive one call at a time (each checked), and the
+    # package stub that drafts' `python-package:` references resolve is installed only when all are in.
+    from bench import gguf_chunks
+
+    src = tmp_path / "model.gguf"
+    src.write_bytes(np.random.default_rng(0).bytes(100_003))
+    gguf_chunks.split(src, tmp_path / "parts", 3)
+    stash, site = tmp_path / "stash", tmp_path / "site" / "pkg"
+    codes = []
+    for i in (2, 1, 3):  # one part per call, in any order
+        given = tmp_path / "parts" / f"c{i}"
+        codes.append(gguf_chunks.collect(given, stash, site))
+    assert codes == [3, 3, 0]
+    assert (site / "model.gguf").read_bytes() == src.read_bytes() and (site / "__init__.py").is_file()
+    assert gguf_chunks.collect(given, stash, site) == 0  # idempotent
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "manifest.json").write_bytes((tmp_path / "parts" / "c1" / "manifest.json").read_bytes())
+    (bad / "part-1").write_bytes(b"x" * 10)
+    assert gguf_chunks.collect(bad, tmp_path / "stash2", tmp_path / "site2") == 1

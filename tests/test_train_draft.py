@@ -43,7 +43,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--layers", "1", "--markov-rank", "16", "--num-prompts", "32", "--max-new-tokens", "40",
         "--temperatures", "0,0.7", "--gen-batch-size", "32", "--steps", str(STEPS), "--batch-size", "16",
         "--warmup", "10", "--lr", "3e-3", "--markov-lr", "3e-2", "--log-every", "20",
-        "--save-dtype", "float32", *EVAL,
+        "--save-dtype", "float32", "--eval-every", "50", *EVAL,
     ]  # fmt: skip
     # The real CLI generates the data and stops after half the steps (as a time-limited device call would)...
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -66,6 +66,15 @@ def test_loss_falls_and_training_resumed(run: Path) -> None:
     assert [e["step"] for e in train] == list(range(20, STEPS + 1, 20))
     assert [e["step"] for e in events(run, "resume")] == [STEPS // 2]
     assert train[-1]["kl"] < 0.8 * train[0]["kl"], [e["kl"] for e in train]
+
+
+def test_held_out_alpha_is_logged_during_training(run: Path) -> None:
+    # --eval-every: the held-out alpha every 50 steps, in both chunks of the resumed run; at the last step
+    # it is the final evaluation's figure (same draft, same held-out answers).
+    held = events(run, "heldout")
+    assert [e["step"] for e in held] == [50, 100]
+    final = json.loads((run / "run" / "eval.json").read_text())["drafts"]["trained_markov"]
+    assert held[-1]["k4"] == final["k4"]["alpha"] and held[-1]["k2"] == final["k2"]["alpha"]
 
 
 def test_acceptance_rises_over_untrained_draft(run: Path) -> None:

@@ -111,8 +111,10 @@ def make_data(args, target: Transformer, prompts: list[list[int]], eos: set[int]
             bar.update(1)
     if bar is not None:
         bar.close()
-    parts = [data_dir / f"part-{i:05d}.safetensors" for i in range(len(batches))]
-    data = Sequences.concat([Sequences.load(p) for p in parts if p.exists()])
+    parts = [p for i in range(len(batches)) if (p := data_dir / f"part-{i:05d}.safetensors").exists()]
+    if not parts:
+        raise SystemExit(f"--data-dir {data_dir}: no data parts (generate them without --existing-data-only)")
+    data = Sequences.concat([Sequences.load(p) for p in parts])
     log("data", sequences=data.num_seqs, tokens=len(data.tokens), trained_tokens=int(data.trained.sum()))
     return data
 
@@ -178,9 +180,10 @@ def make_optimizer(draft: Transformer, args) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, weight_decay=args.weight_decay, betas=(0.9, 0.98))
 
 
-def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline) -> int:
+def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline, probe=None) -> int:
     """Trains up to args.steps, saving state every --save-every steps; returns the step reached (less than
-    args.steps when the deadline or --chunk-steps stopped it)."""
+    args.steps when the deadline or --chunk-steps stopped it). `probe(draft)` -> dict, when given, is
+    logged every --eval-every steps (held-out acceptance: is more training still helping?)."""
     opt = make_optimizer(draft, args)
     peak = [g["lr"] for g in opt.param_groups]
     state_file = args.out / STATE_FILE
@@ -239,6 +242,8 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline) -> i
                 lr_scale=round(scale, 4),
                 tokens_per_s=round(rate),
             )
+        if probe is not None and args.eval_every and step % args.eval_every == 0:
+            log("heldout", echo=bar is None, step=step, **probe(draft))
         if step % args.save_every == 0 and step < args.steps:
             save()
     if bar is not None:
@@ -248,15 +253,19 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline) -> i
 
 
 # ------------------------------------------------------------------------------------------------ stage 3
-def evaluate(args, target, drafts: dict[str, tuple[Transformer, bool]], tokenizer, chat, eos) -> dict:
-    """Held-out acceptance at each k for each named (draft, use_markov)."""
+def held_out(args, target, tokenizer, chat, eos) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, the target's greedy answers) of the held-out prompts."""
     if args.eval_answers:  # precomputed where the whole target could not go (see --existing-data-only)
         given = json.loads(args.eval_answers.read_text())
-        prompts, answers = given["prompts"], given["answers"]
-    else:
-        texts = builtin_prompts.held_out_prompts()[: args.eval_prompts]
-        prompts = prompt_ids(tokenizer, texts, chat)
-        answers = target_texts(target, prompts, args.eval_max_new_tokens, eos)
+        return given["prompts"], given["answers"]
+    texts = builtin_prompts.held_out_prompts()[: args.eval_prompts]
+    prompts = prompt_ids(tokenizer, texts, chat)
+    return prompts, target_texts(target, prompts, args.eval_max_new_tokens, eos)
+
+
+def evaluate(args, heldout, drafts: dict[str, tuple[Transformer, bool]]) -> dict:
+    """Held-out acceptance at each k for each named (draft, use_markov)."""
+    prompts, answers = heldout
     result = {"prompts": len(prompts), "answer_tokens": sum(map(len, answers)), "drafts": {}}
     for name, (model, use_markov) in drafts.items():
         matches = match_flags(model, prompts, answers, use_markov)
@@ -346,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-prompts", type=int, default=24)
     ap.add_argument("--eval-max-new-tokens", type=int, default=128)
     ap.add_argument("--eval-k", type=parse_ints, default=[2, 4, 6])
+    ap.add_argument(
+        "--eval-every", type=int, default=0, help="log the held-out alpha every N training steps (0: never)"
+    )
     return ap
 
 
@@ -368,7 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     if len(layer_map) != args.layers:
         raise SystemExit(f"--init-layers: {len(layer_map)} layers given, --layers is {args.layers}")
     draft = build_draft(target, layer_map, args.markov_rank, args.seed, args.train_shared, args.device)
-    steps_done = train(args, draft, data, log, deadline)
+    heldout = held_out(args, target, tokenizer, chat, eos)
+
+    def probe(model: Transformer) -> dict:
+        matches = match_flags(model, *heldout, use_markov=args.markov_rank > 0)
+        return {f"k{k}": acceptance(matches, k).as_dict()["alpha"] for k in args.eval_k}
+
+    steps_done = train(args, draft, data, log, deadline, probe)
     if steps_done < args.steps and not (args.export_partial and steps_done > 0):
         return 0
     draft.eval()
@@ -384,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     drafts = {"truncated_target": (truncated, False), "trained_head_off": (draft, False)}
     if args.markov_rank:
         drafts["trained_markov"] = (draft, True)
-    result = evaluate(args, target, drafts, tokenizer, chat, eos)
+    result = evaluate(args, heldout, drafts)
     result["draft_bytes"] = size
     (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     log("done", draft=str(args.out / "draft"), draft_bytes=size, eval=result["drafts"])
