@@ -33,7 +33,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _STATS: dict[tuple[str, str], list[int]] = {}
 
 
-def _count(op: str, site: str, nbytes: int) -> None:
+def count_comm(op: str, site: str, nbytes: int) -> None:
     entry = _STATS.get((op, site))
     if entry is None:
         _STATS[(op, site)] = [1, nbytes]
@@ -113,7 +113,7 @@ class Comm:
     def all_reduce(self, t: Tensor, site: str) -> Tensor:
         if self.world_size == 1:
             return t
-        _count("all_reduce", site, _nbytes(t))
+        count_comm("all_reduce", site, _nbytes(t))
         if t.is_cuda and ALL_REDUCE == "symm" and _nbytes(t) <= OneShotAllReduce.MAX_BYTES:
             if self._one_shot is None:
                 self._one_shot = OneShotAllReduce(self.group)
@@ -127,14 +127,14 @@ class Comm:
             return t
         t = t.contiguous()
         out = t.new_empty((self.world_size * t.shape[0], *t.shape[1:]))
-        _count("all_gather", site, _nbytes(out))
+        count_comm("all_gather", site, _nbytes(out))
         _all_gather_single(out, t, group=self.group)
         return out
 
     def broadcast(self, t: Tensor, src: int, site: str) -> Tensor:
         if self.world_size == 1:
             return t
-        _count("broadcast", site, _nbytes(t))
+        count_comm("broadcast", site, _nbytes(t))
         dist.broadcast(t, src=src, group=self.group)
         return t
 
@@ -151,7 +151,7 @@ class Comm:
         if self.rank != src:
             payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         dist.broadcast(payload, src=src, group=self.group)
-        _count("broadcast", site, nbytes)
+        count_comm("broadcast", site, nbytes)
         if self.rank == src:
             return obj
         return pickle.loads(payload.cpu().numpy().tobytes())

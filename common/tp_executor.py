@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.distributed import Comm, init_tp
+from common.distributed import Comm, count_comm, init_tp
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,12 @@ def decode_inputs(arr: np.ndarray, count: int) -> list[Any]:
 class TPExecutor:
     """Rank 0 calls `run(name, **inputs)`; other ranks sit in `serve_forever()`.
 
-    Per step rank 0 broadcasts one [_HEADER + _CAPACITY] int64 tensor (on the GPU for NCCL): no pickling,
-    no length round trip, and rank 0 never waits for the GPU to send it.
+    Per step rank 0 broadcasts one [_HEADER + _CAPACITY] int64 message on a CPU (gloo) control group:
+    no pickling, no length round trip, no GPU work. Idle ranks wait for it in a blocking socket read,
+    not in an NCCL kernel: a waiting NCCL broadcast spins on its GPU, and where several services share
+    GPUs (a draft and a target TP group on the same two GPUs, or several targets) each idle rank's
+    spinning kernel took GPU time slices from the busy ones (a TP=2 step cost ~11 ms instead of ~2.5).
+    The model's own collectives stay on NCCL, inside the CUDA graphs.
     """
 
     def __init__(self, comm: Comm, handlers: dict[str, Handler]):
@@ -133,15 +137,11 @@ class TPExecutor:
         self.names = list(handlers)
         # Handler parameters in signature order: the packed message carries values only.
         self.params = {n: list(inspect.signature(h).parameters) for n, h in handlers.items()}
-        self._message = torch.zeros(_HEADER + _CAPACITY, dtype=torch.int64, device=comm.device)
-        pinned = comm.device.type == "cuda"
-        # Rank 0 stages messages in a small ring of pinned buffers; an event per buffer says when its
-        # last host-to-device copy finished, so a buffer is never rewritten while being read.
-        self._staging = [
-            torch.zeros(_HEADER + _CAPACITY, dtype=torch.int64, pin_memory=pinned) for _ in range(4)
-        ]
-        self._staged = [torch.cuda.Event() if pinned else None for _ in self._staging]
-        self._next = 0
+        self._message = torch.zeros(_HEADER + _CAPACITY, dtype=torch.int64)
+        self.control = None
+        if comm.world_size > 1:  # collective: every rank builds its executor in the same order
+            cuda = comm.device.type == "cuda"
+            self.control = torch.distributed.new_group(backend="gloo") if cuda else comm.group
 
     def run(self, name: str, **inputs: Any) -> Any:
         if self.comm.world_size > 1:
@@ -158,35 +158,30 @@ class TPExecutor:
         if self.comm.world_size > 1:
             self._send(_KIND_SHUTDOWN, 0)
 
+    def _broadcast(self, t: torch.Tensor) -> None:
+        count_comm("broadcast", "step_broadcast", t.numel() * t.element_size())
+        torch.distributed.broadcast(t, src=0, group=self.control)
+
     def _send(self, kind: int, handler: int, payload: np.ndarray | None = None) -> None:
         n = 0 if payload is None else len(payload)
         head = min(n, _CAPACITY)
-        buf = self._staging[self._next]
-        event = self._staged[self._next]
-        if event is not None:
-            event.synchronize()  # normally long done: the copy was issued 4 steps ago
-        host = buf.numpy()
+        host = self._message.numpy()
         host[:_HEADER] = (kind, handler, n)
         if head:
             host[_HEADER : _HEADER + head] = payload[:head]
-        self._message.copy_(buf, non_blocking=True)
-        if event is not None:
-            event.record()
-        self._next = (self._next + 1) % len(self._staging)
-        self.comm.broadcast(self._message, 0, "step_broadcast")
+        self._broadcast(self._message)
         if n > _CAPACITY:  # the rest of a long prefill
-            rest = torch.from_numpy(payload[_CAPACITY:]).to(self.comm.device)
-            self.comm.broadcast(rest, 0, "step_broadcast")
+            self._broadcast(torch.from_numpy(np.ascontiguousarray(payload[_CAPACITY:])))
 
     def _receive(self) -> tuple[int, int, np.ndarray]:
-        self.comm.broadcast(self._message, 0, "step_broadcast")
-        host = self._message.cpu().numpy()
+        self._broadcast(self._message)
+        host = self._message.numpy()
         kind, handler, n = (int(x) for x in host[:_HEADER])
-        payload = host[_HEADER : _HEADER + min(n, _CAPACITY)]
+        payload = host[_HEADER : _HEADER + min(n, _CAPACITY)].copy()
         if n > _CAPACITY:
-            rest = torch.empty(n - _CAPACITY, dtype=torch.int64, device=self.comm.device)
-            self.comm.broadcast(rest, 0, "step_broadcast")
-            payload = np.concatenate([payload, rest.cpu().numpy()])
+            rest = torch.empty(n - _CAPACITY, dtype=torch.int64)
+            self._broadcast(rest)
+            payload = np.concatenate([payload, rest.numpy()])
         return kind, handler, payload
 
     def serve_forever(self) -> None:
