@@ -33,10 +33,13 @@ lint: $(STAMP)
 protos: $(STAMP)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. protos/specsplit/v1/*.proto
 
+# Two pytest-xdist workers (one per core of the CI machine); tests/conftest.py groups tests by file.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) $(VENV)/.deploy-tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m grpc_tools.protoc --version >/dev/null
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -ra --durations=15 $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -ra --durations=15 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

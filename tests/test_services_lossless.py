@@ -218,6 +218,7 @@ def test_draft_out_of_kv_slots_keeps_the_stream(demo_models, tmp_path):
 
 # 1500 one-token requests, each started on the draft and verified with sampled drafting: minutes on 2 cores.
 @pytest.mark.timeout(900)
+@pytest.mark.xdist_group("chi_square_service")  # its own services: runs beside the rest of this file
 def test_sampled_first_token_follows_the_target_distribution(demo_models, tmp_path):
     """End to end through gRPC with sampled top-K drafting (sparse q on the wire): the first generated
     token, over 1500 seeds, is distributed as the target's own softmax at the prompt (chi-square, bins with
