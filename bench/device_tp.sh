@@ -14,7 +14,7 @@ trap 'tail -n 25 /tmp/tp-logs*/*.log 2>/dev/null' ERR
   --upgrade --target /tmp/site .whl/grpcio_health*.whl .whl/grpcio_reflection*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if [ "$WHAT" != modes ]; then
-  timeout 300 python3 -m pytest -q -rA --noconftest -p no:cacheprovider tests/test_gpu_model.py 2>&1 \
+  timeout 200 python3 -m pytest -q -rA --noconftest -p no:cacheprovider tests/test_gpu_model.py 2>&1 \
     | tail -8 | tee "$OUT/gpu_tests.txt" || echo "gpu tests: exit $?"
 fi
 [ "$WHAT" = tests ] && exit 0
@@ -24,7 +24,7 @@ i=0
 for flags in "" "--markov-head-mode sharded" "--no-use-local-argmax-reduction" \
   "--no-use-local-argmax-reduction --markov-head-mode sharded"; do
   i=$((i + 1))
-  modes=(fixed); [ $i = 1 ] && modes=(plain fixed)  # the plain target does not depend on the draft's mode
+  modes=(fixed); [ $i = 1 ] && modes=(plain fixed adaptive)  # plain does not depend on the mode
   python3 bench/bench_e2e.py "${common[@]}" --modes "${modes[@]}" --draft-args "$flags" --logs "/tmp/tp-logs-$i" \
     --out "$OUT/tp2-mode$i.json" | grep -v '^{' | tail -4
 done

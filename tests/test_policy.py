@@ -65,6 +65,23 @@ def test_probe_when_plain_wins():
     assert chosen == [0, 0, 0, 4, 4, 0, 0, 0]  # a probe: two speculative steps
 
 
+def test_probes_back_off_while_plain_keeps_winning_and_return_when_speculation_wins():
+    c = costs(64, {w: 5e-3 * w for w in range(1, 6)})
+    policy = SpeculationPolicy("adaptive", c, probe_every=4, max_probe_every=16)
+    losing = reqs(64, alpha=0.2)
+    chosen = [policy.choose(losing) for _ in range(60)]
+    probes = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
+    # Plain steps before each probe: gap - 1 with the gap 4, then 8, 16, 16 (capped at max_probe_every).
+    plain_runs = [b - a for a, b in zip([0, *(p + 2 for p in probes)], probes)]
+    assert plain_runs == [3, 7, 15, 15]
+    assert all(chosen[p + 1] == 4 for p in probes)  # each probe is two speculative steps
+    # Speculation wins once (cheap wide steps, high acceptance): the gap is back to probe_every.
+    cheap = costs(64, {w: 5e-3 for w in range(1, 6)})
+    policy.costs = cheap
+    assert policy.choose(reqs(64, alpha=0.9)) == 4
+    assert policy.probe_gap == 4
+
+
 def test_unmeasured_batch_measures_plain_then_speculates():
     c = StepCosts(BUCKETS)
     policy = SpeculationPolicy("adaptive", c)
