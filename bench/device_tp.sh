@@ -24,8 +24,9 @@ i=0
 for flags in "" "--markov-head-mode sharded" "--no-use-local-argmax-reduction" \
   "--no-use-local-argmax-reduction --markov-head-mode sharded"; do
   i=$((i + 1))
+  [ "$i" -lt "${FROM_MODE:-1}" ] && continue
   modes=(fixed); [ $i = 1 ] && modes=(plain fixed adaptive)  # plain does not depend on the mode
-  python3 bench/bench_e2e.py "${common[@]}" --modes "${modes[@]}" --draft-args "$flags" --logs "/tmp/tp-logs-$i" \
+  python3 bench/bench_e2e.py "${common[@]}" --modes "${modes[@]}" --draft-args="$flags" --logs "/tmp/tp-logs-$i" \
     --out "$OUT/tp2-mode$i.json" | grep -v '^{' | tail -4
 done
 # The same draft without a Markov head (local argmax): the head's cost at TP=2.
