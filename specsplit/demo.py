@@ -158,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         help="2 shows the draft's TP communication (slow on 2 CPU cores)",
     )
     ap.add_argument("--num-speculative-tokens", type=int, default=None, help=f"default {DEMO_K} (by model)")
+    ap.add_argument(
+        "--speculation-policy",
+        default="fixed",
+        choices=["fixed", "adaptive"],
+        help="the target's policy: fixed drafts k tokens every step, so the acceptance printed is the "
+        "draft's; adaptive (the services' default) drafts only where it pays, rarely on 2 CPU cores",
+    )
     ap.add_argument("--markov-rank", type=int, default=0, help="give the draft a Markov head of this rank")
     ap.add_argument("--models", type=Path, default=None, help="model directory (default: a cache dir)")
     ap.add_argument("--json", action="store_true", help="print one machine-readable summary")
@@ -203,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"127.0.0.1:{draft.port}",
                 "--num-speculative-tokens",
                 str(args.num_speculative_tokens),
+                "--speculation-policy",
+                args.speculation_policy,
                 *limits,
             ],
             logs / "target.log",
@@ -215,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             info = stub.GetModelInfo(target_pb2.GetModelInfoRequest(), timeout=10)
             generate(stub, prompts[0], 8, None, echo=False)  # warm-up
             draft_before = draft.scrape()
-            say(f"\n--- speculative (k={args.num_speculative_tokens}, {info.draft_method}) ---")
+            policy = f"{args.speculation_policy} k={args.num_speculative_tokens}"
+            say(f"\n--- speculative ({policy}, {info.draft_method}) ---")
             specs = []
             for prompt in prompts:
                 if not isinstance(prompt, str):
