@@ -155,7 +155,12 @@ def test_soak_64_streams_with_draft_restarts(demo_models, tmp_path):
         assert target.metric("specsplit_spec_fallback_steps_total") > 0, (
             "steps fell back while the draft was down"
         )
-        assert target.metric("specsplit_draft_reconnects_total") >= kills
+        # The last restart can finish just before the soak ends: wait for the link to reach it.
+        wait_for(
+            lambda: target.metric("specsplit_draft_reconnects_total") >= kills,
+            30,
+            "the target reconnected to every restarted draft",
+        )
         wait_for(lambda: target.metric("specsplit_draft_connected") == 1, 30, "reconnected to the draft")
         wait_for(lambda: target.metric("specsplit_kv_slots_used") == 0, 30, "KV slots back to 0")
         assert target.metric("specsplit_running_requests") == 0
