@@ -12,7 +12,7 @@
 #   call 4  (no carry):                                    bench/device_real.sh finish
 #           = waits for the background pipeline (at most WAIT_S seconds), then packs its results into
 #             $OUT: results.tgz.part-* (rejoin: cat results.tgz.part-* > results.tgz), summary.txt,
-#             real-new.json, eval-markov32.json, eval-markov0.json, bench_draft.json.
+#             real-new.json (the shipped 3-layer draft), eval-L3m32.json, bench_draft.json.
 # State between calls lives in /tmp (site packages, GGUF parts, the run): the machine must stay warm.
 # `check-cpu` runs the same pipeline on CPU at a tiny scale (what was tested before handing it over).
 set -uo pipefail
@@ -71,8 +71,10 @@ train_bg() {
     | grep --line-buffered -v 'it/s\]\|s/it\]'
   local rc=${PIPESTATUS[0]}
   echo "== train.sh rc=$rc after $((SECONDS - t0)) s $(date +%T)"
-  if [[ -f $R/run/markov32/draft/model.safetensors ]]; then
-    $PY bench/bench_real.py --target "$GGUF" --draft "$R/run/markov32/draft" --device cuda \
+  local shipped=$R/run/L3m32/draft  # the shipped recipe's draft (train.sh); older runs: the 2-layer one
+  [[ -f $shipped/model.safetensors ]] || shipped=$R/run/markov32/draft
+  if [[ -f $shipped/model.safetensors ]]; then
+    $PY bench/bench_real.py --target "$GGUF" --draft "$shipped" --device cuda \
       --logs "$R/logs-new" --out "$R/real-new.json" > "$R/real-new.txt" 2>&1
     echo "== bench_real (new draft) rc=$? after $((SECONDS - t0)) s"
     tail -n 45 "$R/real-new.txt"
@@ -112,15 +114,17 @@ finish() {
   [[ -f $R/DONE ]] || echo "== NOT DONE after $waited s: packing what exists (call finish again)"
   cd "$R" || return 1
   local keep=(pipeline.log real-new.json real-new.txt run/bench_draft.json)
-  for d in run/markov32 run/markov0 run/data-run; do keep+=("$d/train.log" "$d/eval.json" "$d/draft/config.json"); done
-  keep+=(run/markov32/draft/model.safetensors)
+  for d in run/L3m32 run/L4m0 run/markov32 run/markov0 run/data-run; do
+    keep+=("$d/train.log" "$d/eval.json" "$d/draft/config.json")
+  done
+  keep+=(run/L3m32/draft/model.safetensors)
   local present=()
   for f in "${keep[@]}"; do [[ -f $f ]] && present+=("$f"); done
   tail -n 20 logs-new/*.log > service-logs-tail.txt 2>/dev/null && present+=(service-logs-tail.txt)
   tar czf /tmp/results.tgz "${present[@]}" && split -b 15M /tmp/results.tgz "$OUT/results.tgz.part-"
   for f in real-new.json run/bench_draft.json; do [[ -f $f ]] && cp "$f" "$OUT/"; done
-  [[ -f run/markov32/eval.json ]] && cp run/markov32/eval.json "$OUT/eval-markov32.json"
-  [[ -f run/markov0/eval.json ]] && cp run/markov0/eval.json "$OUT/eval-markov0.json"
+  # $OUT brings back at most 8 files: the other runs' eval.json travel in the tarball.
+  [[ -f run/L3m32/eval.json ]] && cp run/L3m32/eval.json "$OUT/eval-L3m32.json"
   { echo "DONE: $(cat DONE 2>/dev/null || echo no)"; sha256sum /tmp/results.tgz; tail -n 80 pipeline.log; } \
     > "$OUT/summary.txt"
   cat "$OUT/summary.txt"
@@ -134,7 +138,7 @@ check_cpu() {
   GGUF=$gguf/SmolLM2-135M-Instruct.Q4_1.gguf RUN=$R/run PY=$PY NUM_PROMPTS=4 SAMPLES=1 NEW=16 GEN_BS=4 \
     STEPS=5 BATCH=2 WARMUP=2 EVAL_EVERY=2 EVAL_PROMPTS=2 EVAL_NEW=12 ITERS=3 DATA_MIN=10 TRAIN_MIN=10 \
     bash drafts/smollm2-135m-instruct/train.sh || return 1
-  $PY bench/bench_real.py --target "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" --draft "$R/run/markov32/draft" \
+  $PY bench/bench_real.py --target "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" --draft "$R/run/L3m32/draft" \
     --device cpu --dtype "${CPU_DTYPE:-float32}" --batches 1 2 --new-tokens 8 --repeats 1 --logs "$R/logs-cpu" \
     --out "$R/real-cpu.json"
 }
