@@ -5,17 +5,9 @@
 # on GPU 1 at B = 1, 16, 64. Needs .whl (grpcio-health-checking, grpcio-reflection, py-spy).
 #   bash bench/device_serving2.sh colocated|split
 set -euo pipefail
-OUT=${OUT:-/tmp/out}
 PLACEMENT=${1:-colocated}
-mkdir -p "$OUT"
+source bench/device_env.sh
 trap 'tail -n 25 /tmp/e2e-logs*/*.log 2>/dev/null' ERR
-[ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target /tmp/site .whl/grpcio_health*.whl .whl/grpcio_reflection*.whl
-if [ ! -x /tmp/site/bin/py-spy ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pyspy .whl/py_spy*.whl
-  mkdir -p /tmp/site/bin && cp /tmp/pyspy/bin/py-spy /tmp/site/bin/
-fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 common=(--preset qwen1.5b --device cuda --dtypes bfloat16 --repeats 3 --new-tokens 128 --models /tmp/models)
 if [ "$PLACEMENT" = colocated ]; then
   # GIL profile of every target and draft process during a long B=16 run (1024 new tokens, after the warm-up).

@@ -6,13 +6,9 @@
 # fixed k=4.
 #   bash bench/device_tp.sh [tests|modes|all]
 set -euo pipefail
-OUT=${OUT:-/tmp/out}
 WHAT=${1:-all}
-mkdir -p "$OUT"
+source bench/device_env.sh
 trap 'tail -n 25 /tmp/tp-logs*/*.log 2>/dev/null' ERR
-[ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target /tmp/site .whl/grpcio_health*.whl .whl/grpcio_reflection*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if [ "$WHAT" != modes ]; then
   timeout 200 python3 -m pytest -q -rA --noconftest -p no:cacheprovider tests/test_gpu_model.py 2>&1 \
     | tail -8 | tee "$OUT/gpu_tests.txt" || echo "gpu tests: exit $?"

@@ -2,9 +2,7 @@
 # One x2 call: the NCCL TP=2 GPU test under a timeout, with py-spy dumps of every test process 90 s in
 # (where it waits if it hangs), then the four draft modes (bench/device_tp.sh modes).
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+source bench/device_env.sh
 (sleep 90; for p in $(pgrep -f "pytest|multiprocessing" || true); do
    echo "== $p $(tr '\0' ' ' < /proc/$p/cmdline | cut -c1-150)"; timeout 20 /tmp/site/bin/py-spy dump -p "$p"
  done > "$OUT/tp_test_dump.txt" 2>&1) &

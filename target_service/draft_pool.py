@@ -196,35 +196,26 @@ class DraftPool:
             sent, lost = self._sent.pop(step, ({}, set()))
             for old in [s for s in self._sent if s < step]:  # sends nobody waits for (releases only)
                 del self._sent[old]
-        if len(sent) == 1 and not lost:  # one replica answers for all: its response is the answer
-            [(replica, link_epoch)] = sent.items()
+        responses: list[draft_pb2.SpeculateResponse] = []
+        for replica, link_epoch in sent.items():
             response = replica.link.receive(step, link_epoch, deadline)
             with self._lock:
                 if response is not None:
                     self._record(replica, response)
+                    responses.append(response)
                 elif not replica.link.connected or replica.link.epoch != link_epoch:
                     lost.update(self._forget(replica, link_epoch))
-            self._update_gauges()
-            if response is None and lost:
-                return draft_pb2.SpeculateResponse(step=step, unknown_request_ids=sorted(lost))
-            return response
+        self._update_gauges()
+        if len(responses) == 1 and not lost:  # one replica answered for all: no merge copy
+            return responses[0]
+        if not responses and not lost:
+            return None
         merged = draft_pb2.SpeculateResponse(step=step, unknown_request_ids=sorted(lost))
-        answered = False
-        for replica, link_epoch in sent.items():
-            response = replica.link.receive(step, link_epoch, deadline)
-            if response is None:
-                if not replica.link.connected or replica.link.epoch != link_epoch:
-                    with self._lock:
-                        merged.unknown_request_ids.extend(self._forget(replica, link_epoch))
-                continue
-            answered = True
-            with self._lock:
-                self._record(replica, response)
+        for response in responses:
             merged.proposals.extend(response.proposals)
             merged.unknown_request_ids.extend(response.unknown_request_ids)
             merged.draft_seconds = max(merged.draft_seconds, response.draft_seconds)
-        self._update_gauges()
-        return merged if answered or lost else None
+        return merged
 
     # -- routing ---------------------------------------------------------------------
     def _split(self, msg: draft_pb2.SpeculateRequest) -> tuple[dict[Replica, tuple[Part, int]], set[int]]:
@@ -240,21 +231,16 @@ class DraftPool:
 
         for rid in msg.releases:
             placed = self._live_placement(rid)
-            self.placement.pop(rid, None)
+            self._drop(rid)
             if placed is not None:
-                placed.requests.discard(rid)
                 part(placed).releases.append(rid)
         for start in msg.starts:
-            old = self.placement.pop(start.request_id, None)
-            if old is not None:
-                old[0].requests.discard(start.request_id)
+            self._drop(start.request_id)
             replica = self._least_loaded()
             if replica is None:
                 lost.add(start.request_id)
                 continue
-            self.placement[start.request_id] = (replica, replica.link.epoch)
-            replica.requests.add(start.request_id)
-            replica.placed_since_report += 1
+            self._place(start.request_id, replica)
             part(replica).starts.append(start)
         for verdict in msg.verdicts:
             replica = self._live_placement(verdict.request_id)
@@ -291,14 +277,17 @@ class DraftPool:
         return replica
 
     def _place_starts(self, msg: draft_pb2.SpeculateRequest, replica: Replica) -> None:
-        """Placement bookkeeping of `_split` for a message sent whole to `replica`."""
+        """`_split`'s placement bookkeeping for a message sent whole to `replica`."""
         for rid in msg.releases:
-            self.placement.pop(rid, None)
-            replica.requests.discard(rid)
+            self._drop(rid)
         for start in msg.starts:
-            self.placement[start.request_id] = (replica, replica.link.epoch)
-            replica.requests.add(start.request_id)
-            replica.placed_since_report += 1
+            self._place(start.request_id, replica)
+
+    def _place(self, rid: int, replica: Replica) -> None:
+        self._drop(rid)
+        self.placement[rid] = (replica, replica.link.epoch)
+        replica.requests.add(rid)
+        replica.placed_since_report += 1
 
     def _live_placement(self, rid: int) -> Replica | None:
         """The request's replica if it still holds the request (same stream, still in the pool)."""

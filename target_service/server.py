@@ -2,7 +2,7 @@
 
 Every RPC is a coroutine on the front's one event loop (common.aio_front), so open streams cost no
 thread: one process holds thousands of queued and streaming requests. The scheduler thread hands each
-request's outputs over through `req.out.put(item)` (a StreamOut: thread-safe, bounded backlog).
+request's outputs over through `put_all` into its `req.out` (a StreamOut: thread-safe, bounded backlog).
 """
 
 from __future__ import annotations

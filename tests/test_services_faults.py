@@ -13,6 +13,8 @@ from service_util import generate, prompts, request, start_draft, start_target, 
 from specsplit.launch import free_port
 from specsplit.v1 import target_pb2
 
+FIXED = ("--speculation-policy", "fixed")  # the recovery tests assert drafts; the policy is tested apart
+
 pytestmark = pytest.mark.slow
 
 
@@ -35,8 +37,10 @@ def reference(stub, ids, n):
 # -- the draft misbehaves --------------------------------------------------------------------------
 def test_draft_unreachable_at_start_then_back(demo_models, tmp_path):
     port = free_port()
+    # Fixed policy: every step asks for drafts, so "speculation resumed" does not depend on whether the
+    # adaptive policy, on a loaded CPU, judged drafting worth it within this short request.
     target = start_target(
-        demo_models.target, tmp_path, f"127.0.0.1:{port}", "--draft-backoff-max", "0.5"
+        demo_models.target, tmp_path, f"127.0.0.1:{port}", "--draft-backoff-max", "0.5", *FIXED
     ).wait_ready()
     channel, stub = stub_for(target)
     try:
@@ -74,7 +78,9 @@ def _generate_in_thread(stub, req):
 def test_draft_killed_mid_generation_then_restarted(demo_models, tmp_path):
     port = free_port()
     draft = start_draft(demo_models.draft, tmp_path, port=port).wait_ready()
-    target = start_target(demo_models.target, tmp_path, draft, "--draft-backoff-max", "0.5").wait_ready()
+    target = start_target(
+        demo_models.target, tmp_path, draft, "--draft-backoff-max", "0.5", *FIXED
+    ).wait_ready()
     channel, stub = stub_for(target)
     try:
         ids = prompts(1, seed=11)[0]
