@@ -5,6 +5,9 @@
 # full-vocab gather x replicated or sharded Markov head (rank 64), and no head, B = 1 and 16, plain vs
 # fixed k=4.
 #   bash bench/device_tp.sh [tests|modes|all]
+# Issue 15, the intended deployment on nvidia-h200-x4 (draft TP=2 on GPUs 0-1, target TP=2 on GPUs 2-3):
+#   PLACEMENT=split BATCHES="1 16 64" bash bench/device_tp.sh modes
+# FROM_MODE/TO_MODE (1-5) pick a range of the modes below, so that a run can span several device calls.
 set -euo pipefail
 WHAT=${1:-all}
 source bench/device_env.sh
@@ -15,16 +18,18 @@ if [ "$WHAT" != modes ]; then
 fi
 [ "$WHAT" = tests ] && exit 0
 common=(--preset qwen1.5b --device cuda --dtypes bfloat16 --repeats 3 --new-tokens 128 --models /tmp/models
-  --draft-markov-rank 64 --draft-tp-size 2 --target-tp-size 2 --placement colocated --batches 1 16)
+  --draft-markov-rank 64 --draft-tp-size 2 --target-tp-size 2 --placement "${PLACEMENT:-colocated}" --batches ${BATCHES:-1 16})
+tag=${PLACEMENT:-colocated}; tag=${tag/colocated/tp2}; tag=${tag/split/x4}
 i=0
 for flags in "" "--markov-head-mode sharded" "--no-use-local-argmax-reduction" \
   "--no-use-local-argmax-reduction --markov-head-mode sharded"; do
   i=$((i + 1))
-  [ "$i" -lt "${FROM_MODE:-1}" ] && continue
-  modes=(fixed); [ $i = 1 ] && modes=(plain fixed adaptive)  # plain does not depend on the mode
+  [ "$i" -lt "${FROM_MODE:-1}" ] || [ "$i" -gt "${TO_MODE:-5}" ] && continue
+  modes=(plain fixed); [ $i = 1 ] && modes=(plain fixed adaptive)  # plain beside each mode: interleaved repeats
   python3 bench/bench_e2e.py "${common[@]}" --modes "${modes[@]}" --draft-args="$flags" --logs "/tmp/tp-logs-$i" \
-    --out "$OUT/tp2-mode$i.json" | grep -v '^{' | tail -4
+    --out "$OUT/$tag-mode$i.json" | grep -v '^{' | tail -4
 done
 # The same draft without a Markov head (local argmax): the head's cost at TP=2.
+[ "${TO_MODE:-5}" -lt 5 ] && exit 0
 python3 bench/bench_e2e.py "${common[@]}" --draft-markov-rank 0 --modes fixed --logs /tmp/tp-logs-5 \
-  --out "$OUT/tp2-mode5-nomarkov.json" | grep -v '^{' | tail -4
+  --out "$OUT/$tag-mode5-nomarkov.json" | grep -v '^{' | tail -4
