@@ -248,6 +248,7 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
     targets = {}
     for mode in args.modes:
         extra = [] if mode == "plain" else ["--draft-address", draft.address, "--speculation-policy", mode]
+        extra += ["--log-level", args.target_log_level]
         targets[mode] = start_service(
             "target_service",
             ["--model", str(target_dir), *common, "--tp-size", str(args.target_tp_size),
@@ -345,6 +346,8 @@ def main() -> int:
     ap.add_argument(
         "--draft-args", default="", help="extra draft flags, e.g. '--no-use-local-argmax-reduction'"
     )
+    ap.add_argument("--target-log-level", default="INFO",
+                    help="DEBUG: the targets log phase times and the policy's cost table every 256 steps")  # fmt: skip
     ap.add_argument("--draft-markov-rank", type=int, default=0, help="draft Markov head rank")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)

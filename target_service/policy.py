@@ -8,18 +8,25 @@ k in [0, max k of the batch] that maximises
     goodput(k) = sum_r E_r(min(k, k_r)) / (verify_seconds(B, k + 1) + draft_wait_seconds(B, k))
 
 with E_r(k) = (1 - a_r^(k+1)) / (1 - a_r) the expected tokens of request r at per-token acceptance a_r.
-Step costs are measured: verify times per (batch bucket, width) from the runner's start-up timing, then
-the median of the recent real steps; draft waits per (batch bucket, k) from real exchanges in steady
-state (an ask that starts a request, or catches the draft up after plain steps, costs a prefill rather
-than a round: it is not a sample). A width that has never been measured is assumed as cheap as the
-nearest measured one below it (optimism makes the policy try it once); an unmeasured draft wait is
-taken from the nearest measured k, and none measured counts as free, so the policy speculates and
-learns. While k = 0 wins, a probe still speculates now and then, so that the estimates stay fresh (a
-probe is two steps: the first catches the draft up, the second is a steady sample). Probes cost: with a
-draft that loses (low acceptance, or a target step too cheap to hide a round trip) a probe every 16
-steps cost 15% of plain throughput on the real 135M pair. So the gap between probes starts at
-`probe_every` steps and doubles after every probe that still leaves k = 0 the winner, up to
-`max_probe_every`; it falls back to `probe_every` as soon as speculation wins again. Greedy output
+Step costs are measured, and what the policy ranks by is the wall time of whole steps: per (batch
+bucket, k), the median of the recent steady steps from the start of the step to the end of its commit
+(the wait for the draft, the verify, the host work of a wider step). Components alone mislead: on two
+TP=2 services the verify time plus the draft wait said k = 4 paid at B=1 while whole steps ran 2.3x a
+plain step for 1.56 tokens. A k whose whole step was never timed at a bucket is estimated from its parts:
+the verify time of its width (from the runner's start-up timing, then the median of the recent real
+steps), the draft wait at that k (from real exchanges in steady state: an ask that starts a request, or
+catches the draft up after plain steps, costs a prefill rather than a round, so it is not a sample) and
+the bucket's host residue (a timed step's wall minus those two). A width that has never been measured is
+assumed as cheap as the nearest measured one below it (optimism makes the policy try it once); an
+unmeasured draft wait is taken from the nearest measured k, and none measured counts as free, so the
+policy speculates and learns. While k = 0 wins, a probe still speculates now and then, so that the
+estimates stay fresh (a probe is two steps: the first catches the draft up, the second is a steady
+sample). Probes cost: with a draft that loses (low acceptance, or a target step too cheap to hide a
+round trip) a probe every 16 steps cost 15% of plain throughput on the real 135M pair. So the gap between
+probes starts at `probe_every` steps and doubles after every probe that still leaves k = 0 the winner, up
+to `max_probe_every`; it falls back to `probe_every` as soon as speculation wins again at that batch
+bucket. The gap is kept per bucket: requests ramping up through small batches where speculation wins
+must not reset the probing of the full batch where it loses. Greedy output
 never depends on k: verification is lossless for any k.
 """
 
@@ -29,6 +36,7 @@ import bisect
 import collections
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from target_service.request import Request, SpecStats
 
@@ -45,31 +53,39 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 class StepCosts:
-    """Recent step costs, keyed by (batch bucket, width) and (batch bucket, k): the median of the last
-    `window` observations, so a one-off stall (a slow draft round, a GC pause) does not swing k."""
+    """Recent step costs, keyed by (batch bucket, width) for the verify, (batch bucket, k) for the draft
+    wait and the whole step, and batch bucket for the host residue: the median of the last `window`
+    observations, so a one-off stall (a slow draft round, a GC pause) does not swing k."""
 
     def __init__(self, batch_buckets: Sequence[int], window: int = 16):
         self.batch_buckets = list(batch_buckets)
         self.window = window
-        self._verify: dict[tuple[int, int], collections.deque[float]] = {}
-        self._draft: dict[tuple[int, int], collections.deque[float]] = {}
+        self._recent: dict[tuple, collections.deque[float]] = {}
         self.verify: dict[tuple[int, int], float] = {}  # medians, updated on every observation
         self.draft: dict[tuple[int, int], float] = {}
+        self.step: dict[tuple[int, int], float] = {}
+        self.residue: dict[int, float] = {}
 
     def bucket(self, batch: int) -> int:
         i = bisect.bisect_left(self.batch_buckets, batch)
         return self.batch_buckets[min(i, len(self.batch_buckets) - 1)]
 
-    def _update(self, recent: dict, medians: dict, key: tuple[int, int], seconds: float) -> None:
-        window = recent.setdefault(key, collections.deque(maxlen=self.window))
+    def _update(self, medians: dict, key, seconds: float) -> None:
+        window = self._recent.setdefault((id(medians), key), collections.deque(maxlen=self.window))
         window.append(seconds)
         medians[key] = statistics.median(window)
 
     def observe_verify(self, batch: int, width: int, seconds: float) -> None:
-        self._update(self._verify, self.verify, (self.bucket(batch), width), seconds)
+        self._update(self.verify, (self.bucket(batch), width), seconds)
 
     def observe_draft(self, batch: int, k: int, seconds: float) -> None:
-        self._update(self._draft, self.draft, (self.bucket(batch), k), seconds)
+        self._update(self.draft, (self.bucket(batch), k), seconds)
+
+    def observe_step(self, batch: int, k: int, seconds: float, verify: float, draft_wait: float) -> None:
+        """A steady step's wall time at k, and its parts (what the parts miss is the host residue)."""
+        b = self.bucket(batch)
+        self._update(self.step, (b, k), seconds)
+        self._update(self.residue, b, max(0.0, seconds - verify - draft_wait))
 
     @staticmethod
     def _nearest_below(table: dict, b: int, n: int) -> float | None:
@@ -91,6 +107,35 @@ class StepCosts:
         known = [(abs(m - k), m, s) for (bb, m), s in self.draft.items() if bb == b]
         return min(known)[2] if known else 0.0
 
+    def step_seconds(self, batch: int, k: int) -> float | None:
+        """A whole step at k: timed, or its parts plus the bucket's host residue (None: no verify cost
+        at or below width k + 1 is known for this batch)."""
+        b = self.bucket(batch)
+        if (b, k) in self.step:
+            return self.step[b, k]
+        verify = self.verify_seconds(batch, k + 1)
+        if verify is None:
+            return None
+        return verify + self.draft_seconds(batch, k) + self.residue.get(b, 0.0)
+
+    def describe(self) -> str:
+        """Each timed (bucket, k): whole step ms, then verify + draft wait + residue ms (for the log)."""
+        out = []
+        for (b, k), seconds in sorted(self.step.items()):
+            verify = self.verify_seconds(b, k + 1) or 0.0
+            parts = (verify, self.draft_seconds(b, k), self.residue.get(b, 0.0))
+            out.append(f"({b},{k}) {seconds * 1e3:.2f} = " + " + ".join(f"{p * 1e3:.2f}" for p in parts))
+        return "; ".join(out)
+
+
+@dataclass
+class Probe:
+    """Probing state of one batch bucket while plain steps win there."""
+
+    gap: int  # steps between probes now (doubles while probes keep losing)
+    idle: int = 0  # plain steps since the last speculative one
+    second: bool = False  # the next step is a probe's second (steady) step
+
 
 class SpeculationPolicy:
     def __init__(
@@ -111,9 +156,7 @@ class SpeculationPolicy:
         self.service = SpecStats()
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
-        self.probe_gap = probe_every  # steps between probes now (doubles while probes keep losing)
-        self.steps_without_spec = 0
-        self.probing = False
+        self.probes: dict[int, Probe] = {}  # by batch bucket
 
     @property
     def prior_alpha(self) -> float:
@@ -135,27 +178,29 @@ class SpeculationPolicy:
                 return k  # no verify cost measured at or below this width for this batch: measure it
             if goodput > best:
                 best_k, best = k, goodput
+        probe = self.probe(len(batch))
         if best_k == 0:
-            self.steps_without_spec += 1
+            probe.idle += 1
             # A probe is two speculative steps: the first one catches the draft up (not a cost sample),
             # the second one measures a steady round.
-            if self.steps_without_spec >= self.probe_gap or self.probing:
-                self.probing = not self.probing
-                if not self.probing:  # the probe's second step: plain still won after the first
-                    self.probe_gap = min(2 * self.probe_gap, self.max_probe_every)
-                self.steps_without_spec = 0
+            if probe.idle >= probe.gap or probe.second:
+                probe.second = not probe.second
+                if not probe.second:  # the probe's second step: plain still won after the first
+                    probe.gap = min(2 * probe.gap, self.max_probe_every)
+                probe.idle = 0
                 return max_k
         else:
-            self.steps_without_spec = 0
-            self.probing = False
-            self.probe_gap = self.probe_every
+            probe.idle, probe.second, probe.gap = 0, False, self.probe_every
         return best_k
 
+    def probe(self, batch: int) -> Probe:
+        """The probing state of this batch's bucket."""
+        return self.probes.setdefault(self.costs.bucket(batch), Probe(self.probe_every))
+
     def goodput(self, batch: Sequence[Request], k: int) -> float | None:
-        seconds = self.costs.verify_seconds(len(batch), k + 1)
+        seconds = self.costs.step_seconds(len(batch), k)
         if seconds is None:
             return None
-        seconds += self.costs.draft_seconds(len(batch), k)
         prior = self.prior_alpha
         tokens = sum(expected_tokens(r.spec.alpha(prior), min(k, r.k)) for r in batch)
         return tokens / max(seconds, 1e-9)

@@ -394,8 +394,11 @@ class Scheduler:
     def _account(self, batch, width: int, gpu: float, *marks: float) -> None:
         t0, t1, t2, t3, t4 = marks
         self.costs.observe_verify(len(batch), width, t3 - t2)
-        if width > 1 and self.session.last_wait_steady:
+        steady = width == 1 or self.session.last_wait_steady  # no prefill of the draft hidden in it
+        if width > 1 and steady:
             self.costs.observe_draft(len(batch), width - 1, self.session.last_wait)
+        if steady:
+            self.costs.observe_step(len(batch), width - 1, t4 - t0, t3 - t2, self.session.last_wait)
         self.metrics.verify_step.observe(t3 - t2)
         if gpu:
             self.metrics.step_gpu.observe(gpu)
@@ -407,6 +410,7 @@ class Scheduler:
         if self.steps % 256 == 0 and log.isEnabledFor(logging.DEBUG):
             phases = ", ".join(f"{k} {v / 256 * 1e3:.2f}" for k, v in self.phase_seconds.items())
             log.debug("mean ms per step over 256 steps: %s", phases)
+            log.debug("policy costs (bucket, k): %s", self.costs.describe())
             self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)
 
     def _usage(self, req: Request) -> target_pb2.Usage:

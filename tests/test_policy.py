@@ -79,7 +79,39 @@ def test_probes_back_off_while_plain_keeps_winning_and_return_when_speculation_w
     cheap = costs(64, {w: 5e-3 for w in range(1, 6)})
     policy.costs = cheap
     assert policy.choose(reqs(64, alpha=0.9)) == 4
-    assert policy.probe_gap == 4
+    assert policy.probe(64).gap == 4
+
+
+def test_a_win_at_a_small_batch_keeps_the_probe_gap_of_a_large_one():
+    # Requests ramping up pass through B=1, where speculation wins; B=64, where it loses, keeps its gap.
+    c = costs(64, {w: 5e-3 * w for w in range(1, 6)})
+    for width in range(1, 6):
+        c.observe_verify(1, width, 1e-3)
+    policy = SpeculationPolicy("adaptive", c, probe_every=4, max_probe_every=64)
+    losing = reqs(64, alpha=0.2)
+    for _ in range(40):
+        policy.choose(losing)
+    gap = policy.probe(64).gap
+    assert gap >= 16
+    assert policy.choose(reqs(1, alpha=0.9)) == 4
+    assert policy.probe(64).gap == gap and policy.probe(1).gap == 4
+
+
+def test_whole_step_wall_time_outranks_its_parts():
+    # The parts say k = 4 pays (a 2.6 ms verify + 0.3 ms wait for 1.56 tokens against a 2.5 ms plain
+    # step), but whole steps at k = 4 took 6.2 ms: the policy goes by what the steps cost.
+    c = costs(1, {1: 2.5e-3, 5: 2.6e-3}, draft=0.3e-3)
+    batch = reqs(1, alpha=0.36)
+    policy = SpeculationPolicy("adaptive", c, probe_every=1000)
+    assert policy.choose(batch) > 0
+    c.observe_step(1, 0, 2.7e-3, verify=2.5e-3, draft_wait=0.0)
+    for k in range(1, 5):
+        c.observe_step(1, k, 6.2e-3, verify=2.6e-3, draft_wait=0.3e-3)
+    assert c.step_seconds(1, 4) == pytest.approx(6.2e-3)
+    assert policy.choose(batch) == 0
+    # An untimed k is its parts plus the host residue seen at this bucket (median of 0.2, 3.3 x 4 ms).
+    c.step.pop((1, 2))
+    assert c.step_seconds(1, 2) == pytest.approx(2.5e-3 + 0.3e-3 + 3.3e-3)
 
 
 def test_unmeasured_batch_measures_plain_then_speculates():
