@@ -347,7 +347,7 @@ def main() -> int:
         "--draft-args", default="", help="extra draft flags, e.g. '--no-use-local-argmax-reduction'"
     )
     ap.add_argument("--target-log-level", default="INFO",
-                    help="DEBUG: the targets log phase times and the policy's cost table every 256 steps")  # fmt: skip
+                    help="DEBUG: targets log phase times and the policy's costs every 256 steps")  # fmt: skip
     ap.add_argument("--draft-markov-rank", type=int, default=0, help="draft Markov head rank")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)

@@ -126,6 +126,11 @@ class ServiceMetrics:
         self.draft_step = histogram(
             "draft_step_seconds", "One draft proposal step for the batch (k positions).", STEP_BUCKETS
         )
+        self.draft_ahead_step = histogram(
+            "draft_ahead_step_seconds",
+            "One draft-ahead round (k+1 positions guessed past a proposal) while the target verifies.",
+            STEP_BUCKETS,
+        )
         self.verify_step = histogram(
             "verify_step_seconds", "One target verify step for the batch (k+1 positions).", STEP_BUCKETS
         )

@@ -30,7 +30,8 @@ class DraftConfig(ServiceConfig):
     draft_ahead: bool = flag(True, "draft round r+1 while the target verifies round r")
     draft_ahead_min_hit_rate: float = flag(
         0.15,
-        "pause draft-ahead while its recent hit rate is below this (it is re-tried every "
+        "pause draft-ahead while the chance that every request of the round hits (recent "
+        "per-request hit rate to the power of the rows) is below this (it is re-tried every "
         "16 rounds); 0 = always draft ahead",
     )
 

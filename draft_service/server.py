@@ -123,12 +123,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     self.config.draft_ahead
                     and proposed
                     and inbox.empty()
-                    and self.state.ahead_worthwhile(self.config.draft_ahead_min_hit_rate)
+                    and self.state.ahead_worthwhile(self.config.draft_ahead_min_hit_rate, len(proposed[0]))
                 ):
                     with self.engine_lock:
                         t0 = time.perf_counter()
                         self.state.draft_ahead(*proposed)
-                        self.metrics.draft_step.observe(time.perf_counter() - t0)
+                        self.metrics.draft_ahead_step.observe(time.perf_counter() - t0)
         finally:
             with self.engine_lock:
                 for req in reqs.values():

@@ -126,6 +126,11 @@ def test_draft_ahead_pauses_below_the_hit_rate_and_probes_again():
     state.ahead_hit_rate = 0.5
     assert all(state.ahead_worthwhile(0.15) for _ in range(5))
     assert state.ahead_worthwhile(0.0)
+    # 16 rows at a 0.5 hit rate: all 16 hit with chance 1.5e-5, so only the probe rounds draft ahead.
+    decisions = [state.ahead_worthwhile(0.15, rows=16) for _ in range(34)]
+    assert decisions.count(True) == 2
+    state.ahead_hit_rate = 0.9  # 0.9^16 = 0.185: worth it
+    assert all(state.ahead_worthwhile(0.15, rows=16) for _ in range(5))
 
 
 def test_malformed_draft_proposals_are_dropped():
