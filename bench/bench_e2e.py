@@ -277,7 +277,7 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
     targets = {}
     for mode in args.modes:
         extra = [] if mode == "plain" else ["--draft-address", draft.address, "--speculation-policy", mode]
-        extra += ["--log-level", args.target_log_level]
+        extra += ["--log-level", getattr(args, "target_log_level", "INFO")]
         targets[mode] = start_service(
             "target_service",
             ["--model", str(target_dir), *common, "--tp-size", str(args.target_tp_size),
