@@ -23,8 +23,11 @@ policy speculates and learns. While k = 0 wins, a probe still speculates now and
 estimates stay fresh (a probe is two steps: the first catches the draft up, the second is a steady
 sample). Probes cost: with a draft that loses (low acceptance, or a target step too cheap to hide a
 round trip) a probe every 16 steps cost 15% of plain throughput on the real 135M pair. So the gap between
-probes starts at `probe_every` steps and doubles after every probe that still leaves k = 0 the winner, up
-to `max_probe_every`; it falls back to `probe_every` as soon as speculation wins again at that batch
+probes starts at `probe_every` steps and, after every probe that still leaves k = 0 the winner, doubles
+or grows to what keeps probing within `probe_budget` of plain throughput (the probe's two wider steps
+over two plain ones, from the timed steps), whichever is longer, up to `max_probe_every`: on the real
+pair one probe cost ~3 plain steps, and doubling from 16 alone lost 12-17% over the first requests. It
+falls back to `probe_every` as soon as speculation wins again at that batch
 bucket. The gap is kept per bucket: requests ramping up through small batches where speculation wins
 must not reset the probing of the full batch where it loses. Greedy output
 never depends on k: verification is lossless for any k.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -145,6 +149,7 @@ class SpeculationPolicy:
         prior_alpha: float = 0.7,
         probe_every: int = 16,
         max_probe_every: int = 1024,
+        probe_budget: float = 0.02,
     ):
         if mode not in (FIXED, ADAPTIVE):
             raise ValueError(f"--speculation-policy: {mode!r} is not one of fixed, adaptive")
@@ -156,6 +161,7 @@ class SpeculationPolicy:
         self.service = SpecStats()
         self.probe_every = probe_every
         self.max_probe_every = max_probe_every
+        self.probe_budget = probe_budget  # the share of plain throughput that probing may cost
         self.probes: dict[int, Probe] = {}  # by batch bucket
 
     @property
@@ -171,11 +177,13 @@ class SpeculationPolicy:
         max_k = max((r.k for r in batch), default=0)
         if self.mode == FIXED or max_k == 0:
             return max_k
+        tokens = self.batch_tokens(batch, max_k)
         best_k, best = 0, -1.0
         for k in range(max_k + 1):
-            goodput = self.goodput(batch, k)
-            if goodput is None:
+            seconds = self.costs.step_seconds(len(batch), k)
+            if seconds is None:
                 return k  # no verify cost measured at or below this width for this batch: measure it
+            goodput = tokens[k] / max(seconds, 1e-9)
             if goodput > best:
                 best_k, best = k, goodput
         probe = self.probe(len(batch))
@@ -186,7 +194,8 @@ class SpeculationPolicy:
             if probe.idle >= probe.gap or probe.second:
                 probe.second = not probe.second
                 if not probe.second:  # the probe's second step: plain still won after the first
-                    probe.gap = min(2 * probe.gap, self.max_probe_every)
+                    gap = max(2 * probe.gap, self.budget_gap(len(batch), max_k))
+                    probe.gap = min(gap, self.max_probe_every)
                 probe.idle = 0
                 return max_k
         else:
@@ -197,10 +206,24 @@ class SpeculationPolicy:
         """The probing state of this batch's bucket."""
         return self.probes.setdefault(self.costs.bucket(batch), Probe(self.probe_every))
 
-    def goodput(self, batch: Sequence[Request], k: int) -> float | None:
-        seconds = self.costs.step_seconds(len(batch), k)
-        if seconds is None:
-            return None
+    def budget_gap(self, batch: int, k: int) -> int:
+        """Plain steps between probes that keep a probe's cost (two steps at k instead of two plain
+        ones) within `probe_budget` of the plain steps' time; 0 where the steps are not timed."""
+        plain, wide = self.costs.step_seconds(batch, 0), self.costs.step_seconds(batch, k)
+        if not plain or wide is None or self.probe_budget <= 0:
+            return 0
+        return math.ceil(2 * max(0.0, wide - plain) / (self.probe_budget * plain))
+
+    def batch_tokens(self, batch: Sequence[Request], max_k: int) -> list[float]:
+        """Expected tokens of the whole batch for a step at each k in 0..max_k (request r drafts
+        min(k, r.k)): one pass over the batch, since this runs every step."""
         prior = self.prior_alpha
-        tokens = sum(expected_tokens(r.spec.alpha(prior), min(k, r.k)) for r in batch)
-        return tokens / max(seconds, 1e-9)
+        totals = [0.0] * (max_k + 1)
+        for r in batch:
+            a, tokens, power = r.spec.alpha(prior), 1.0, 1.0
+            for k in range(max_k + 1):
+                if 0 < k <= r.k:
+                    power *= a
+                    tokens += power
+                totals[k] += tokens
+        return totals

@@ -67,7 +67,7 @@ def test_probe_when_plain_wins():
 
 def test_probes_back_off_while_plain_keeps_winning_and_return_when_speculation_wins():
     c = costs(64, {w: 5e-3 * w for w in range(1, 6)})
-    policy = SpeculationPolicy("adaptive", c, probe_every=4, max_probe_every=16)
+    policy = SpeculationPolicy("adaptive", c, probe_every=4, max_probe_every=16, probe_budget=0)
     losing = reqs(64, alpha=0.2)
     chosen = [policy.choose(losing) for _ in range(60)]
     probes = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
@@ -80,6 +80,29 @@ def test_probes_back_off_while_plain_keeps_winning_and_return_when_speculation_w
     policy.costs = cheap
     assert policy.choose(reqs(64, alpha=0.9)) == 4
     assert policy.probe(64).gap == 4
+
+
+def test_probe_gap_keeps_probing_within_its_budget():
+    # A plain step of 1 ms, k = 4 steps of 2.5 ms: a probe costs 3 ms over plain, so at a 2% budget the
+    # gap after the first losing probe is 3 ms / (0.02 * 1 ms) = 150 plain steps, not 2 x 4.
+    c = costs(1, {1: 1e-3, 2: 1.4e-3, 3: 1.8e-3, 4: 2.2e-3, 5: 2.5e-3})
+    c.observe_step(1, 0, 1e-3, verify=1e-3, draft_wait=0.0)
+    c.observe_step(1, 4, 2.5e-3, verify=2.5e-3, draft_wait=0.0)
+    policy = SpeculationPolicy("adaptive", c, probe_every=4, probe_budget=0.02)
+    losing = reqs(1, alpha=0.1)
+    chosen = [policy.choose(losing) for _ in range(400)]
+    probes = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
+    assert probes[:2] == [3, 3 + 2 + 149], probes
+    assert policy.probe(1).gap == 300  # doubling wins once it is the longer
+    assert policy.budget_gap(1, 4) == 150
+
+
+def test_batch_tokens_matches_expected_tokens():
+    batch = reqs(3, alpha=0.6) + reqs(2, k=2, alpha=0.3)
+    policy = SpeculationPolicy("adaptive", StepCosts(BUCKETS))
+    prior = policy.prior_alpha
+    want = [sum(expected_tokens(r.spec.alpha(prior), min(k, r.k)) for r in batch) for k in range(5)]
+    assert policy.batch_tokens(batch, 4) == pytest.approx(want)
 
 
 def test_a_win_at_a_small_batch_keeps_the_probe_gap_of_a_large_one():
