@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
-import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,6 +123,8 @@ def snapshot(target, draft) -> dict[str, float]:
         d = draft.scrape()
         snap["draft_sum"] = metric_sum(d, "specsplit_draft_step_seconds_sum")
         snap["draft_n"] = metric_sum(d, "specsplit_draft_step_seconds_count")
+        snap["handle_sum"] = metric_sum(d, "specsplit_draft_handle_seconds_sum")
+        snap["handle_n"] = metric_sum(d, "specsplit_draft_handle_seconds_count")
         snap["draft_tp_bytes"] = metric_sum(d, "specsplit_tp_comm_bytes_total")  # draft rank 0's sends
     return snap
 
@@ -183,6 +185,7 @@ def run_batch(service, draft, prompts: list[list[int]], n: int, k: int, ignore_e
         "mean_k": ratio(delta, "k_sum", "k_n"),
         "draft_round_ms": 1e3 * ratio(delta, "draft_sum", "draft_n"),
         "round_trip_ms": 1e3 * ratio(delta, "rt_sum", "rt_n"),
+        "draft_handle_ms": 1e3 * ratio(delta, "handle_sum", "handle_n"),
         "draft_tp_bytes_per_drafted_token": delta.get("draft_tp_bytes", 0.0) / drafted if drafted else 0.0,
         "fallback_steps": delta.get("fallbacks", 0.0),
         "serving_captures": delta.get("captures", 0.0),
@@ -312,6 +315,7 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
                 mean_k=statistics.median(r["mean_k"] for r in rs),
                 draft_round_ms=statistics.median(r["draft_round_ms"] for r in rs),
                 round_trip_ms=statistics.median(r["round_trip_ms"] for r in rs),
+                draft_handle_ms=statistics.median(r["draft_handle_ms"] for r in rs),
                 draft_tp_bytes_per_drafted_token=statistics.median(
                     r["draft_tp_bytes_per_drafted_token"] for r in rs),
                 speedup_vs_plain=row[mode]["tokens_per_s"]["median"] / row["plain"]["tokens_per_s"]["median"]

@@ -126,6 +126,13 @@ class ServiceMetrics:
         self.draft_step = histogram(
             "draft_step_seconds", "One draft proposal step for the batch (k positions).", STEP_BUCKETS
         )
+        self.draft_handle = histogram(
+            "draft_handle_seconds",
+            "A Speculate message in the draft: from its arrival to its answer being handed to gRPC "
+            "(checks, verdicts, the draft round, the answer built); the target's round trip less this "
+            "is the transport and the thread hand-offs.",
+            STEP_BUCKETS,
+        )
         self.draft_ahead_step = histogram(
             "draft_ahead_step_seconds",
             "One draft-ahead round (k+1 positions guessed past a proposal) while the target verifies.",

@@ -130,12 +130,19 @@ class ServiceConfig:
     tls_client_ca: str = flag("", "CA (PEM) for client certificates: turns on mTLS")
     log_format: str = flag("text", "log lines as text or JSON", ("text", "json"))
     log_level: str = flag("INFO", "logging level")
+    switch_interval: float = flag(
+        0.0005,
+        "Python's GIL switch interval in seconds: how long a busy thread may hold up one that has work "
+        "(a message that arrived, a reply to send); Python's default is 0.005",
+    )
 
     def validate(self) -> None:
         if not self.model:
             raise ValueError("--model: a checkpoint directory or .gguf file is required")
         if self.tp_size < 1:
             raise ValueError("--tp-size: must be >= 1")
+        if not 1e-6 <= self.switch_interval <= 0.1:
+            raise ValueError("--switch-interval: must be in [1e-6, 0.1] seconds")
         if self.max_batch_size < 1:
             raise ValueError("--max-batch-size: must be >= 1")
         if self.max_context_length < 2:

@@ -87,7 +87,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         def read() -> None:
             try:
                 for msg in request_iterator:
-                    inbox.put(msg)
+                    inbox.put((msg, time.perf_counter()))
             except grpc.RpcError:
                 pass
             finally:
@@ -100,9 +100,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         last_step = -1
         try:
             while True:
-                msg = inbox.get()
-                if msg is _END or not context.is_active():
+                item = inbox.get()
+                if item is _END or not context.is_active():
                     return
+                msg, arrived = item
                 self.metrics.count_grpc_message("received", "speculate_request", msg.ByteSize())
                 if msg.step <= last_step:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step: {msg.step} not after {last_step}")
@@ -117,6 +118,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 with self.engine_lock:
                     response, proposed = self._step(msg, reqs, context)
                 self.metrics.count_grpc_message("sent", "speculate_response", response.ByteSize())
+                self.metrics.draft_handle.observe(time.perf_counter() - arrived)
                 yield response
                 # Draft-ahead runs while the target verifies, unless the next step is already here.
                 if (

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(config.log_format, config.log_level, "target")
     # The step loop, the gRPC threads and the streamer share the GIL: at the default 5 ms switch interval
     # a busy thread can hold up a message that has already arrived by up to 5 ms per thread hop.
-    sys.setswitchinterval(0.0005)
+    sys.setswitchinterval(config.switch_interval)
     if torchrun_rank() > 0:
         # torchrun runs main() on every rank: ranks > 0 hold a model shard and serve rank 0's steps; the
         # ports (gRPC, health, /metrics) belong to rank 0 alone. launch_tp does not return here.
