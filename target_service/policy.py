@@ -24,9 +24,10 @@ estimates stay fresh (a probe is two steps: the first catches the draft up, the 
 sample). Probes cost: with a draft that loses (low acceptance, or a target step too cheap to hide a
 round trip) a probe every 16 steps cost 15% of plain throughput on the real 135M pair. So the gap between
 probes starts at `probe_every` steps and, after every probe that still leaves k = 0 the winner, doubles
-or grows to what keeps probing within `probe_budget` of plain throughput (the probe's two wider steps
-over two plain ones, from the timed steps), whichever is longer, up to `max_probe_every`: on the real
-pair one probe cost ~3 plain steps, and doubling from 16 alone lost 12-17% over the first requests. It
+or grows to what keeps probing within `probe_budget` of plain throughput (the probe's catch-up step and
+its steady step over two plain ones, from the timed steps), whichever is longer, up to
+`max_probe_every` (on the real 135M pair a probe, catch-up included, cost 3-7 plain steps). A bucket met for the first time borrows the draft wait and host residue
+of the nearest measured bucket (taking the draft as free there made every new bucket speculate). It
 falls back to `probe_every` as soon as speculation wins again at that batch
 bucket. The gap is kept per bucket: requests ramping up through small batches where speculation wins
 must not reset the probing of the full batch where it loses. Greedy output
@@ -69,10 +70,14 @@ class StepCosts:
         self.draft: dict[tuple[int, int], float] = {}
         self.step: dict[tuple[int, int], float] = {}
         self.residue: dict[int, float] = {}
+        self.catchup: dict[int, float] = {}  # a speculative step that first catches the draft up
 
     def bucket(self, batch: int) -> int:
         i = bisect.bisect_left(self.batch_buckets, batch)
         return self.batch_buckets[min(i, len(self.batch_buckets) - 1)]
+
+    def _distance(self, a: int, b: int) -> int:
+        return abs(self.batch_buckets.index(a) - self.batch_buckets.index(b))
 
     def _update(self, medians: dict, key, seconds: float) -> None:
         window = self._recent.setdefault((id(medians), key), collections.deque(maxlen=self.window))
@@ -84,6 +89,11 @@ class StepCosts:
 
     def observe_draft(self, batch: int, k: int, seconds: float) -> None:
         self._update(self.draft, (self.bucket(batch), k), seconds)
+
+    def observe_catchup(self, batch: int, seconds: float) -> None:
+        """A speculative step that was not steady: the draft first caught up (new requests, or the
+        tokens of plain steps since it last drafted). What the first step of a probe costs."""
+        self._update(self.catchup, self.bucket(batch), seconds)
 
     def observe_step(self, batch: int, k: int, seconds: float, verify: float, draft_wait: float) -> None:
         """A steady step's wall time at k, and its parts (what the parts miss is the host residue)."""
@@ -102,14 +112,23 @@ class StepCosts:
 
     def draft_seconds(self, batch: int, k: int) -> float:
         """The wait for a k-token proposal; an unmeasured k costs what the nearest measured k did (the
-        wait is mostly the fixed round trip, not the k draft positions)."""
+        wait is mostly the fixed round trip, not the k draft positions), at the nearest batch bucket
+        measured (a bucket met for the first time would otherwise take the draft as free)."""
         b = self.bucket(batch)
         if k == 0:
             return 0.0
         if (b, k) in self.draft:
             return self.draft[b, k]
-        known = [(abs(m - k), m, s) for (bb, m), s in self.draft.items() if bb == b]
+        known = [(self._distance(bb, b), abs(m - k), s) for (bb, m), s in self.draft.items()]
         return min(known)[2] if known else 0.0
+
+    def residue_seconds(self, batch: int) -> float:
+        """The host residue of a step at this bucket, or at the nearest bucket that has one."""
+        b = self.bucket(batch)
+        if b in self.residue:
+            return self.residue[b]
+        known = [(self._distance(bb, b), s) for bb, s in self.residue.items()]
+        return min(known)[1] if known else 0.0
 
     def step_seconds(self, batch: int, k: int) -> float | None:
         """A whole step at k: timed, or its parts plus the bucket's host residue (None: no verify cost
@@ -120,14 +139,23 @@ class StepCosts:
         verify = self.verify_seconds(batch, k + 1)
         if verify is None:
             return None
-        return verify + self.draft_seconds(batch, k) + self.residue.get(b, 0.0)
+        return verify + self.draft_seconds(batch, k) + self.residue_seconds(batch)
+
+    def probe_seconds(self, batch: int, k: int) -> float | None:
+        """What a probe's two steps at k cost over two plain steps: its first step catches the draft
+        up (timed as such where seen), the second is a steady step at k."""
+        plain, wide = self.step_seconds(batch, 0), self.step_seconds(batch, k)
+        if not plain or wide is None:
+            return None
+        first = self.catchup.get(self.bucket(batch), wide)
+        return max(0.0, first + wide - 2 * plain)
 
     def describe(self) -> str:
         """Each timed (bucket, k): whole step ms, then verify + draft wait + residue ms (for the log)."""
         out = []
         for (b, k), seconds in sorted(self.step.items()):
             verify = self.verify_seconds(b, k + 1) or 0.0
-            parts = (verify, self.draft_seconds(b, k), self.residue.get(b, 0.0))
+            parts = (verify, self.draft_seconds(b, k), self.residue_seconds(b))
             out.append(f"({b},{k}) {seconds * 1e3:.2f} = " + " + ".join(f"{p * 1e3:.2f}" for p in parts))
         return "; ".join(out)
 
@@ -207,12 +235,12 @@ class SpeculationPolicy:
         return self.probes.setdefault(self.costs.bucket(batch), Probe(self.probe_every))
 
     def budget_gap(self, batch: int, k: int) -> int:
-        """Plain steps between probes that keep a probe's cost (two steps at k instead of two plain
-        ones) within `probe_budget` of the plain steps' time; 0 where the steps are not timed."""
-        plain, wide = self.costs.step_seconds(batch, 0), self.costs.step_seconds(batch, k)
-        if not plain or wide is None or self.probe_budget <= 0:
+        """Plain steps between probes that keep a probe's cost (a catch-up step and a step at k instead
+        of two plain ones) within `probe_budget` of the plain steps' time; 0 where not timed."""
+        plain, cost = self.costs.step_seconds(batch, 0), self.costs.probe_seconds(batch, k)
+        if not plain or cost is None or self.probe_budget <= 0:
             return 0
-        return math.ceil(2 * max(0.0, wide - plain) / (self.probe_budget * plain))
+        return math.ceil(cost / (self.probe_budget * plain))
 
     def batch_tokens(self, batch: Sequence[Request], max_k: int) -> list[float]:
         """Expected tokens of the whole batch for a step at each k in 0..max_k (request r drafts

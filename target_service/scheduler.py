@@ -399,6 +399,8 @@ class Scheduler:
             self.costs.observe_draft(len(batch), width - 1, self.session.last_wait)
         if steady:
             self.costs.observe_step(len(batch), width - 1, t4 - t0, t3 - t2, self.session.last_wait)
+        else:
+            self.costs.observe_catchup(len(batch), t4 - t0)
         self.metrics.verify_step.observe(t3 - t2)
         if gpu:
             self.metrics.step_gpu.observe(gpu)

@@ -95,6 +95,21 @@ def test_probe_gap_keeps_probing_within_its_budget():
     assert probes[:2] == [3, 3 + 2 + 149], probes
     assert policy.probe(1).gap == 300  # doubling wins once it is the longer
     assert policy.budget_gap(1, 4) == 150
+    # A probe's first step also catches the draft up: timed at 9 ms, it makes a probe cost 9.5 ms.
+    c.observe_catchup(1, 9e-3)
+    assert c.probe_seconds(1, 4) == pytest.approx(9.5e-3)
+    assert policy.budget_gap(1, 4) == 475
+
+
+def test_a_new_bucket_borrows_the_draft_wait_and_residue_of_the_nearest_one():
+    c = costs(16, {w: 1e-3 for w in range(1, 6)}, draft=3e-3)
+    c.observe_step(16, 0, 1.5e-3, verify=1e-3, draft_wait=0.0)
+    for width in range(1, 6):
+        c.observe_verify(8, width, 1e-3)
+    # Bucket 8 has no draft wait or residue of its own: bucket 16's (3 ms, 0.5 ms), not free.
+    assert c.step_seconds(8, 4) == pytest.approx(1e-3 + 3e-3 + 0.5e-3)
+    batch = reqs(8, alpha=0.3)
+    assert SpeculationPolicy("adaptive", c, probe_every=1000).choose(batch) == 0
 
 
 def test_batch_tokens_matches_expected_tokens():
