@@ -26,7 +26,8 @@ round trip) a probe every 16 steps cost 15% of plain throughput on the real 135M
 probes starts at `probe_every` steps and, after every probe that still leaves k = 0 the winner, doubles
 or grows to what keeps probing within `probe_budget` of plain throughput (the probe's catch-up step and
 its steady step over two plain ones, from the timed steps), whichever is longer, up to
-`max_probe_every` (on the real 135M pair a probe, catch-up included, cost 3-7 plain steps). A bucket met for the first time borrows the draft wait and host residue
+`max_probe_every` (on the real 135M pair a probe, catch-up included, cost 3-7 plain steps). A bucket
+met for the first time borrows the draft wait and host residue
 of the nearest measured bucket (taking the draft as free there made every new bucket speculate). It
 falls back to `probe_every` as soon as speculation wins again at that batch
 bucket. The gap is kept per bucket: requests ramping up through small batches where speculation wins
