@@ -109,7 +109,8 @@ class StepCosts:
 
     def verify_seconds(self, batch: int, width: int) -> float | None:
         b = self.bucket(batch)
-        return self.verify.get((b, width), self._nearest_below(self.verify, b, width))
+        seconds = self.verify.get((b, width))  # the common case: no scan of the table (every step)
+        return seconds if seconds is not None else self._nearest_below(self.verify, b, width)
 
     def draft_seconds(self, batch: int, k: int) -> float:
         """The wait for a k-token proposal; an unmeasured k costs what the nearest measured k did (the
