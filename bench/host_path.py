@@ -126,7 +126,8 @@ def run(
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     config = TargetConfig(model="none", max_batch_size=batch, speculation_policy=policy)
-    metrics = ServiceMetrics("target", "host-path", registry=CollectorRegistry())
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics("target", "host-path", registry=registry)
     runner = runner or SimulatedRunner()
     link = (draft or SimulatedDraft()) if k else None
     sched = Scheduler(runner, config, metrics, link, frozenset())
@@ -153,7 +154,12 @@ def run(
     sched.stop()
     loop.call_soon_threadsafe(loop.stop)
     n = len(runner.widths)
-    return {"batch": batch, "k": k, "steps": n, "ms_per_step": 1e3 * wall / max(1, n), "tokens": received[0]}
+    rt = {s.name: s.value for fam in registry.collect() for s in fam.samples
+          if s.name.startswith("specsplit_draft_round_trip_seconds_")}  # fmt: skip
+    rt_ms = 1e3 * rt.get("specsplit_draft_round_trip_seconds_sum", 0.0) / max(1.0, rt.get(
+        "specsplit_draft_round_trip_seconds_count", 0.0))  # fmt: skip
+    return {"batch": batch, "k": k, "steps": n, "ms_per_step": 1e3 * wall / max(1, n), "tokens": received[0],
+            "round_trip_ms": rt_ms}  # fmt: skip
 
 
 def main() -> int:

@@ -45,6 +45,7 @@ class DraftLink:
         if server_name:
             self.options.append(("grpc.ssl_target_name_override", server_name))
         self.backoff_max = backoff_max
+        self.yield_after_send = True
         self.epoch = 0
         self._connected = threading.Event()
         self._closed = threading.Event()
@@ -143,6 +144,11 @@ class DraftLink:
             self._first_message = False
         self.metrics.count_grpc_message("sent", "speculate_request", msg.ByteSize())
         send_q.put(msg)
+        if self.yield_after_send:
+            # gRPC's request-iterator thread puts the message on the wire, and needs the GIL for it.
+            # Without this the caller (the scheduler, streaming the step's tokens next) and the streamer
+            # and event-loop threads it wakes can keep the GIL for up to a switch interval each first.
+            time.sleep(0)
         return True
 
     def receive(self, step: int, epoch: int, deadline: float) -> draft_pb2.SpeculateResponse | None:
