@@ -35,7 +35,7 @@ def exercised(service: str = "target") -> tuple[CollectorRegistry, ServiceMetric
     registry = CollectorRegistry()
     m = ServiceMetrics(service, "tiny", registry, comm_stats=lambda: COMM)
     for h in (m.tpot, m.inter_token_latency, m.ttft, m.e2e_latency, m.queue_time, m.draft_step,
-              m.verify_step, m.round_trip):  # fmt: skip
+              m.draft_ahead_step, m.draft_handle, m.verify_step, m.round_trip):  # fmt: skip
         h.observe(0.0123)
     m.drafts.inc(10)
     m.draft_tokens.inc(40)
