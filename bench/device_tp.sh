@@ -31,5 +31,5 @@ for flags in "" "--markov-head-mode sharded" "--no-use-local-argmax-reduction" \
 done
 # The same draft without a Markov head (local argmax): the head's cost at TP=2.
 [ "${TO_MODE:-5}" -lt 5 ] && exit 0
-python3 bench/bench_e2e.py "${common[@]}" --draft-markov-rank 0 --modes fixed --logs /tmp/tp-logs-5 \
+python3 bench/bench_e2e.py "${common[@]}" --draft-markov-rank 0 --modes plain fixed --logs /tmp/tp-logs-5 \
   --out "$OUT/$tag-mode5-nomarkov.json" | grep -v '^{' | tail -4

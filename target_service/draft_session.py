@@ -92,6 +92,7 @@ class DraftSession:
         self._ids = itertools.count(1)
         self.last_wait = 0.0  # seconds the last collect() blocked
         self.last_wait_steady = False  # whether that wait was for steady-state asks only
+        self.last_asked = False  # whether any ask was in flight at that collect
 
     @property
     def attached(self) -> bool:
@@ -189,7 +190,8 @@ class DraftSession:
         asks, self.inflight = self.inflight, []
         self.decided = set()
         self.last_wait = 0.0
-        self.last_wait_steady = bool(asks) and all(a.steady for a in asks)
+        self.last_asked = bool(asks)
+        self.last_wait_steady = self.last_asked and all(a.steady for a in asks)
         out: dict[int, Proposal] = {}
         if self.link is None:
             return out

@@ -5,34 +5,28 @@ the wait for the draft. At batch 1 the verify is memory-bound and k = 4 is nearl
 compute-bound and a width-5 forward costs several plain steps. The adaptive policy picks, per step, the
 k in [0, max k of the batch] that maximises
 
-    goodput(k) = sum_r E_r(min(k, k_r)) / (verify_seconds(B, k + 1) + draft_wait_seconds(B, k))
+    goodput(k) = sum_r E_r(min(k, k_r)) / step_seconds(B, k)
 
 with E_r(k) = (1 - a_r^(k+1)) / (1 - a_r) the expected tokens of request r at per-token acceptance a_r.
-Step costs are measured, and what the policy ranks by is the wall time of whole steps: per (batch
-bucket, k), the median of the recent steady steps from the start of the step to the end of its commit
-(the wait for the draft, the verify, the host work of a wider step). Components alone mislead: on two
-TP=2 services the verify time plus the draft wait said k = 4 paid at B=1 while whole steps ran 2.3x a
-plain step for 1.56 tokens. A k whose whole step was never timed at a bucket is estimated from its parts:
-the verify time of its width (from the runner's start-up timing, then the median of the recent real
-steps), the draft wait at that k (from real exchanges in steady state: an ask that starts a request, or
-catches the draft up after plain steps, costs a prefill rather than a round, so it is not a sample) and
-the bucket's host residue (a timed step's wall minus those two). A width that has never been measured is
-assumed as cheap as the nearest measured one below it (optimism makes the policy try it once); an
-unmeasured draft wait is taken from the nearest measured k, and none measured counts as free, so the
-policy speculates and learns. While k = 0 wins, a probe still speculates now and then, so that the
-estimates stay fresh (a probe is two steps: the first catches the draft up, the second is a steady
-sample). Probes cost: with a draft that loses (low acceptance, or a target step too cheap to hide a
-round trip) a probe every 16 steps cost 15% of plain throughput on the real 135M pair. So the gap between
-probes starts at `probe_every` steps and, after every probe that still leaves k = 0 the winner, doubles
-or grows to what keeps probing within `probe_budget` of plain throughput (the probe's catch-up step and
-its steady step over two plain ones, from the timed steps), whichever is longer, up to
-`max_probe_every` (on the real 135M pair a probe, catch-up included, cost 3-7 plain steps). A bucket
-met for the first time borrows the draft wait and host residue
-of the nearest measured bucket (taking the draft as free there made every new bucket speculate). It
-falls back to `probe_every` as soon as speculation wins again at that batch
-bucket. The gap is kept per bucket: requests ramping up through small batches where speculation wins
-must not reset the probing of the full batch where it loses. Greedy output
-never depends on k: verification is lossless for any k.
+
+step_seconds is measured as whole steps: per (batch bucket, k), the median wall time of recent steady
+steps, from the step's start to the end of its commit. Parts alone mislead: on two TP=2 services the
+verify plus the draft wait said k = 4 paid at B=1 while whole steps ran 2.3x a plain step for 1.56
+tokens. A k never timed at a bucket is estimated from its parts: the verify of its width (start-up
+timing, then real steps; an unmeasured width counts as the nearest measured one below it, so the
+policy tries it once), the draft wait at that k (steady exchanges only: an ask that starts a request
+or catches the draft up costs a prefill, not a round) and the host residue (a timed step less those
+two). Draft wait and residue come from the nearest k and the nearest bucket measured; with none at all
+the draft counts as free, so a new service speculates and learns.
+
+While k = 0 wins, a probe (two speculative steps: a catch-up, then a steady sample) keeps the
+estimates fresh. Probes cost: every 16 steps they took 15% of plain throughput on the real 135M pair,
+where one probe costs 3-7 plain steps. So, per batch bucket, the gap between probes starts at
+`probe_every` and after each losing probe doubles, or grows to what keeps probing within
+`probe_budget` of the plain steps' time (catch-up included), whichever is longer, up to
+`max_probe_every`. It falls back to `probe_every` when speculation wins at that bucket; a win at a
+small bucket (requests ramping up) leaves a large bucket's gap alone. Greedy output never depends on
+k: verification is lossless for any k.
 """
 
 from __future__ import annotations
@@ -58,6 +52,20 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+class Medians(dict):
+    """key -> median of the last `window` observations of that key."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+        self.recent: dict = {}
+
+    def observe(self, key, seconds: float) -> None:
+        recent = self.recent.setdefault(key, collections.deque(maxlen=self.window))
+        recent.append(seconds)
+        self[key] = statistics.median(recent)
+
+
 class StepCosts:
     """Recent step costs, keyed by (batch bucket, width) for the verify, (batch bucket, k) for the draft
     wait and the whole step, and batch bucket for the host residue: the median of the last `window`
@@ -65,13 +73,11 @@ class StepCosts:
 
     def __init__(self, batch_buckets: Sequence[int], window: int = 16):
         self.batch_buckets = list(batch_buckets)
-        self.window = window
-        self._recent: dict[tuple, collections.deque[float]] = {}
-        self.verify: dict[tuple[int, int], float] = {}  # medians, updated on every observation
-        self.draft: dict[tuple[int, int], float] = {}
-        self.step: dict[tuple[int, int], float] = {}
-        self.residue: dict[int, float] = {}
-        self.catchup: dict[int, float] = {}  # a speculative step that first catches the draft up
+        self.verify = Medians(window)  # (bucket, width) -> the verify forward
+        self.draft = Medians(window)  # (bucket, k) -> the wait for the draft's answer
+        self.step = Medians(window)  # (bucket, k) -> a whole steady step
+        self.residue = Medians(window)  # bucket -> a step's wall less its verify and draft wait
+        self.catchup = Medians(window)  # bucket -> a speculative step that first catches the draft up
 
     def bucket(self, batch: int) -> int:
         i = bisect.bisect_left(self.batch_buckets, batch)
@@ -80,27 +86,22 @@ class StepCosts:
     def _distance(self, a: int, b: int) -> int:
         return abs(self.batch_buckets.index(a) - self.batch_buckets.index(b))
 
-    def _update(self, medians: dict, key, seconds: float) -> None:
-        window = self._recent.setdefault((id(medians), key), collections.deque(maxlen=self.window))
-        window.append(seconds)
-        medians[key] = statistics.median(window)
-
     def observe_verify(self, batch: int, width: int, seconds: float) -> None:
-        self._update(self.verify, (self.bucket(batch), width), seconds)
+        self.verify.observe((self.bucket(batch), width), seconds)
 
     def observe_draft(self, batch: int, k: int, seconds: float) -> None:
-        self._update(self.draft, (self.bucket(batch), k), seconds)
+        self.draft.observe((self.bucket(batch), k), seconds)
 
     def observe_catchup(self, batch: int, seconds: float) -> None:
         """A speculative step that was not steady: the draft first caught up (new requests, or the
         tokens of plain steps since it last drafted). What the first step of a probe costs."""
-        self._update(self.catchup, self.bucket(batch), seconds)
+        self.catchup.observe(self.bucket(batch), seconds)
 
     def observe_step(self, batch: int, k: int, seconds: float, verify: float, draft_wait: float) -> None:
         """A steady step's wall time at k, and its parts (what the parts miss is the host residue)."""
         b = self.bucket(batch)
-        self._update(self.step, (b, k), seconds)
-        self._update(self.residue, b, max(0.0, seconds - verify - draft_wait))
+        self.step.observe((b, k), seconds)
+        self.residue.observe(b, max(0.0, seconds - verify - draft_wait))
 
     @staticmethod
     def _nearest_below(table: dict, b: int, n: int) -> float | None:

@@ -26,7 +26,7 @@ from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
 from target_service.draft_session import DraftSession, Proposal, checked_proposal
 from target_service.logprobs import add_pending_logprobs
-from target_service.policy import SpeculationPolicy, StepCosts
+from target_service.policy import ADAPTIVE, SpeculationPolicy, StepCosts
 from target_service.request import FINISH, Request, Status, check_stop
 from target_service.runner import StepRow, TargetRunner
 
@@ -175,6 +175,8 @@ class Scheduler:
         for (batch, width), seconds in runner.step_costs.items():
             self.costs.observe_verify(batch, width, seconds)
         self.policy = SpeculationPolicy(config.speculation_policy, self.costs)
+        # Only the adaptive policy with a draft reads the step costs: nobody else pays for keeping them.
+        self.learn_costs = config.speculation_policy == ADAPTIVE and link is not None
         self.slots = SlotTable(config.max_batch_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -393,14 +395,8 @@ class Scheduler:
 
     def _account(self, batch, width: int, gpu: float, *marks: float) -> None:
         t0, t1, t2, t3, t4 = marks
-        self.costs.observe_verify(len(batch), width, t3 - t2)
-        steady = width == 1 or self.session.last_wait_steady  # no prefill of the draft hidden in it
-        if width > 1 and steady:
-            self.costs.observe_draft(len(batch), width - 1, self.session.last_wait)
-        if steady:
-            self.costs.observe_step(len(batch), width - 1, t4 - t0, t3 - t2, self.session.last_wait)
-        else:
-            self.costs.observe_catchup(len(batch), t4 - t0)
+        if self.learn_costs:
+            self._learn_costs(len(batch), width, t4 - t0, t3 - t2)
         self.metrics.verify_step.observe(t3 - t2)
         if gpu:
             self.metrics.step_gpu.observe(gpu)
@@ -414,6 +410,21 @@ class Scheduler:
             log.debug("mean ms per step over 256 steps: %s", phases)
             log.debug("policy costs (bucket, k): %s", self.costs.describe())
             self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)
+
+    def _learn_costs(self, batch: int, width: int, wall: float, verify: float) -> None:
+        """The step's costs for the adaptive policy. A plain step is a sample of k = 0 only when it
+        waited for no ask (not a fallback after a late or empty answer); a speculative one is a steady
+        sample when no draft prefill (a start, or a catch-up after plain steps) hid in its wait."""
+        session = self.session
+        self.costs.observe_verify(batch, width, verify)
+        if width == 1:
+            if not session.last_asked:
+                self.costs.observe_step(batch, 0, wall, verify, 0.0)
+        elif session.last_wait_steady:
+            self.costs.observe_draft(batch, width - 1, session.last_wait)
+            self.costs.observe_step(batch, width - 1, wall, verify, session.last_wait)
+        else:
+            self.costs.observe_catchup(batch, wall)
 
     def _usage(self, req: Request) -> target_pb2.Usage:
         return target_pb2.Usage(

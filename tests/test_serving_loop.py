@@ -4,7 +4,15 @@ beside speculating ones, and the adaptive policy's k (whatever it picks) never c
 from __future__ import annotations
 
 import pytest
-from service_util import assert_same_tokens, generate_many, prompts, request, start_draft, start_target
+from service_util import (
+    assert_same_tokens,
+    generate_many,
+    prompts,
+    request,
+    start_draft,
+    start_target,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +36,10 @@ def speculate_messages(draft, target) -> tuple[float, float]:
 
 def test_plain_steps_send_nothing_to_the_draft(stack):
     draft, target = stack
-    generate_many(target.address, [request(prompts(1, seed=5)[0], k=2, max_new_tokens=4)], 1)  # connected
+    # The link connects after the target reports ready; and under the adaptive policy a request long
+    # enough for a probe (gap 16) surely speculates, whatever the start-up timings said.
+    wait_for(lambda: target.metric("specsplit_draft_connected") == 1, 30, "the draft link")
+    generate_many(target.address, [request(prompts(1, seed=5)[0], k=2, max_new_tokens=24)], 1)
     before = speculate_messages(draft, target)
     assert before[0] > 0 and before[1] > 0  # the series exist and count: a rename would fail here
     plain = generate_many(target.address, [request(p, k=0, max_new_tokens=12) for p in prompts(6)], 6)
