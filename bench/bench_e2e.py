@@ -113,6 +113,7 @@ SERIES = {
     "captures": "specsplit_serving_captures_total",
     "rt_sum": "specsplit_draft_round_trip_seconds_sum",
     "rt_n": "specsplit_draft_round_trip_seconds_count",
+    "pipelined": "specsplit_spec_pipelined_steps_total",
 }
 
 
@@ -126,6 +127,10 @@ def snapshot(target, draft) -> dict[str, float]:
         snap["handle_sum"] = metric_sum(d, "specsplit_draft_handle_seconds_sum")
         snap["handle_n"] = metric_sum(d, "specsplit_draft_handle_seconds_count")
         snap["draft_tp_bytes"] = metric_sum(d, "specsplit_tp_comm_bytes_total")  # draft rank 0's sends
+        snap["ahead_hits"] = metric_sum(d, "specsplit_draft_ahead_hits_total")
+        snap["ahead_misses"] = metric_sum(d, "specsplit_draft_ahead_misses_total")
+        snap["ahead_sum"] = metric_sum(d, "specsplit_draft_ahead_step_seconds_sum")
+        snap["ahead_n"] = metric_sum(d, "specsplit_draft_ahead_step_seconds_count")
     return snap
 
 
@@ -189,6 +194,11 @@ def run_batch(service, draft, prompts: list[list[int]], n: int, k: int, ignore_e
         "draft_tp_bytes_per_drafted_token": delta.get("draft_tp_bytes", 0.0) / drafted if drafted else 0.0,
         "fallback_steps": delta.get("fallbacks", 0.0),
         "serving_captures": delta.get("captures", 0.0),
+        # Steps verified on the draft's branches without waiting for its answer, of all steps.
+        "pipelined_fraction": ratio(delta, "pipelined", "verify_n"),
+        "ahead_hit_rate": delta.get("ahead_hits", 0.0)
+        / max(1.0, delta.get("ahead_hits", 0.0) + delta.get("ahead_misses", 0.0)),
+        "draft_ahead_round_ms": 1e3 * ratio(delta, "ahead_sum", "ahead_n"),
     }
 
 
@@ -316,6 +326,9 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
                 draft_round_ms=statistics.median(r["draft_round_ms"] for r in rs),
                 round_trip_ms=statistics.median(r["round_trip_ms"] for r in rs),
                 draft_handle_ms=statistics.median(r["draft_handle_ms"] for r in rs),
+                pipelined_fraction=statistics.median(r["pipelined_fraction"] for r in rs),
+                ahead_hit_rate=statistics.median(r["ahead_hit_rate"] for r in rs),
+                draft_ahead_round_ms=statistics.median(r["draft_ahead_round_ms"] for r in rs),
                 draft_tp_bytes_per_drafted_token=statistics.median(
                     r["draft_tp_bytes_per_drafted_token"] for r in rs),
                 speedup_vs_plain=row[mode]["tokens_per_s"]["median"] / row["plain"]["tokens_per_s"]["median"]

@@ -40,7 +40,7 @@ def main() -> int:
     for b in args.batch:
 
         def one(b: int = b) -> list[list[int]]:
-            return runner.rounds.run([[7]] * b, [100] * b, list(range(b)), args.k)
+            return runner.rounds.run([[7]] * b, [100] * b, list(range(b)), args.k)[0]
 
         for _ in range(10):
             one()

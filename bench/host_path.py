@@ -87,7 +87,9 @@ class SimulatedDraft:
         self.asks[msg.step] = (time.perf_counter(), msg.SerializeToString())
         return True
 
-    def receive(self, step: int, epoch: int, deadline: float) -> draft_pb2.SpeculateResponse | None:
+    def receive(
+        self, step: int, epoch: int, deadline: float, on_branches=None
+    ) -> draft_pb2.SpeculateResponse | None:
         sent, raw = self.asks.pop(step)
         if self.round_trip:
             time.sleep(max(0.0, self.round_trip - (time.perf_counter() - sent)))

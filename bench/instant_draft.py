@@ -33,7 +33,7 @@ class InstantRunner:
         self.config, self.delay, self.max_len = config, delay, 1 << 20
         self.executor = self
 
-    def run(self, op: str, rows, starts, slots, k, temperatures, seeds) -> RoundOutput:
+    def run(self, op: str, rows, starts, slots, k, temperatures, seeds, **_prefix) -> RoundOutput:
         if self.delay:
             time.sleep(self.delay)
         return RoundOutput([[(r[-1] + i + 1) % VOCAB for i in range(k)] for r in rows])

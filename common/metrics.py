@@ -172,10 +172,16 @@ class ServiceMetrics:
             ("position",),
         )
         self.draft_ahead_hits = counter(
-            "draft_ahead_hits_total", "Draft-ahead proposals used because the verdict matched the guess."
+            "draft_ahead_hits_total",
+            "Draft-ahead proposals used because the verdict matched the guess (or one of the branches).",
         )
         self.draft_ahead_misses = counter(
             "draft_ahead_misses_total", "Draft-ahead proposals dropped because the verdict differed."
+        )
+        self.pipelined_steps = counter(
+            "spec_pipelined_steps_total",
+            "Target steps verified on the draft's branches (its verdict picked one for every request) "
+            "without waiting for the draft's answer.",
         )
         self.fallback_steps = counter(
             "spec_fallback_steps_total", "Target steps run as plain decoding (k=0) because the draft failed."

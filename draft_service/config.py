@@ -28,6 +28,16 @@ class DraftConfig(ServiceConfig):
     max_batch_size: int = flag(64, "draft KV slots (concurrent requests over all targets)")
     grpc_workers: int = flag(16, "gRPC server threads (one per open target stream)")
     draft_ahead: bool = flag(True, "draft round r+1 while the target verifies round r")
+    draft_branches: bool = flag(
+        True,
+        "greedy drafting: draft ahead for every accepted length (not only all accepted) and send those "
+        "branches to the target, which starts its next step on the one its verdict picks without waiting",
+    )
+    draft_branch_slots: int = flag(
+        0,
+        "KV slots for branches (each request branching at k takes k + 1 while the target verifies); "
+        "0 = enough for 8 requests at --num-speculative-tokens (branching pays only at small batches)",
+    )
     draft_ahead_min_hit_rate: float = flag(
         0.15,
         "pause draft-ahead while the chance that every request of the round hits (recent "
@@ -41,6 +51,8 @@ class DraftConfig(ServiceConfig):
             raise ValueError("--max-speculative-tokens: must be in [1, 64]")
         if self.sampled_top_k < 1:
             raise ValueError("--sampled-top-k: must be >= 1")
+        if self.draft_branch_slots < 0:
+            raise ValueError("--draft-branch-slots: must be >= 0")
 
     @property
     def method(self) -> str:

@@ -7,6 +7,14 @@ picks tokens with the local-argmax reduction (or a full-logit argmax); sampled
 drafting samples from the draft's own top-K truncated distribution, which is
 sent to the target as q. Every rank runs the same round, so the token choices
 (and the collectives inside) line up without extra traffic.
+
+Branches (greedy drafting): while the target verifies a proposal d_1..d_k, the draft drafts the next
+proposal for each likely outcome of that verification: for every accepted length j < k the target's
+token is guessed as the draft's second choice at position j + 1, and for j = k as its own next token.
+Each branch is one row of a batched round. Its KV up to the branch point stays in the request's own
+slot and is read from there (attention's prefix slot); its new KV goes to a branch slot, and is copied
+into the request's slot only for the branch that the verdict picks. The branches travel to the target,
+which can then start its next step without waiting for the draft.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class RoundOutput:
     tokens: list[list[int]]  # [B][k] target-vocab ids
     topk_ids: list[list[int]] | None = None  # [B][k*K] (sampled rows only, else empty)
     topk_probs: list[list[float]] | None = None
+    seconds: list[list[int]] | None = None  # [B][k] the draft's second choice at each position (branches)
 
 
 class DraftRunner:
@@ -56,21 +65,53 @@ class DraftRunner:
         )
         # Room for the drafted tokens and a draft-ahead round past the context limit.
         self.max_len = config.max_context_length + 2 * config.max_speculative_tokens + 4
-        # One slot per request plus a scratch slot for the padded rows of static-shape steps.
-        self.cache = KVCache.for_model(self.model, config.max_batch_size + 1, self.max_len)
-        self.executor = TPExecutor(comm, {"draft_round": self.draft_round})
-        self.rounds = GreedyRounds(self, config.max_batch_size, config.cuda_graphs)
+        # One slot per request, a scratch slot for the padded rows of static-shape steps, then the
+        # branch slots.
+        self.top2 = config.draft_branches and config.draft_sampling == "greedy"
+        self.branch_slot_offset = config.max_batch_size + 1
+        branch_slots = config.draft_branch_slots or 8 * (config.num_speculative_tokens + 1)
+        self.num_branch_slots = branch_slots if self.top2 else 0
+        num_slots = self.branch_slot_offset + self.num_branch_slots
+        self.cache = KVCache.for_model(self.model, num_slots, self.max_len)
+        self.executor = TPExecutor(comm, {"draft_round": self.draft_round, "copy_kv": self.copy_kv})
+        # Branch rounds batch up to every branch slot: their batch buckets are captured too.
+        max_rows = max(config.max_batch_size, self.num_branch_slots)
+        self.rounds = GreedyRounds(self, config.max_batch_size, max_rows, config.cuda_graphs)
         # Every round the default k produces (k + 1 for draft-ahead), catch-up of 1 or 2 tokens. Sampled
         # drafting never replays a greedy round: it only needs the eager warm-up round.
         ks = range(1, config.num_speculative_tokens + 2)
         self.graphs = self.rounds.warm_up(ks, (1, 2), capture_graphs=config.draft_sampling == "greedy")
         warm_eager_shapes(self.model, self.cache, config.max_batch_size)  # catch-ups and starts
 
-    def pick_greedy(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """hidden [B, H], prev [B] (the token just fed, for the Markov bias) -> greedy draft-vocab ids [B]."""
+    def pick_greedy(
+        self, hidden: torch.Tensor, prev: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [B, H], prev [B] (the token just fed, for the Markov bias) -> greedy draft-vocab ids [B],
+        and with branches on, the second choice [B] (the guess of the target's token where it rejects)."""
         if self.config.use_local_argmax_reduction:
-            return self.model.get_top_tokens(hidden, prev)
-        return self.model.compute_logits(hidden, prev).argmax(dim=-1)
+            if self.top2:
+                return self.model.get_top_tokens(hidden, prev, second=True)
+            return self.model.get_top_tokens(hidden, prev), None
+        logits = self.model.compute_logits(hidden, prev)
+        best = logits.argmax(dim=-1)
+        if not self.top2:
+            return best, None
+        return best, logits.scatter(-1, best[:, None], float("-inf")).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def copy_kv(
+        self, src_slots: list[int], dst_slots: list[int], starts: list[int], lengths: list[int]
+    ) -> None:
+        """Copies positions [starts[i], starts[i] + lengths[i]) of slot src_slots[i] to dst_slots[i], every
+        layer (a picked branch's KV into its request's slot)."""
+        src, dst, pos = [], [], []
+        for s, d, a, n in zip(src_slots, dst_slots, starts, lengths):
+            src += [s] * n
+            dst += [d] * n
+            pos += range(a, a + n)
+        idx = torch.tensor([src, dst, pos], dtype=torch.int64).to(self.device, non_blocking=True)
+        for cache in (*self.cache.k, *self.cache.v):
+            cache[idx[1], idx[2]] = cache[idx[0], idx[2]]
 
     def max_target_id(self) -> int:
         mc = self.model.config
@@ -108,11 +149,16 @@ class DraftRunner:
         k: int,
         temperatures: list[float],
         seeds: list[int],
+        prefix_slots: list[int],
+        prefix_len: list[int],
     ) -> RoundOutput:
-        """rows[b]: pending target-vocab ids appended at starts[b]; returns k drafted tokens per row."""
+        """rows[b]: pending target-vocab ids appended at starts[b]; returns k drafted tokens per row.
+        Branch rows (greedy only) read positions < prefix_len[b] from slot prefix_slots[b]; empty lists:
+        no branch rows."""
         sampled_rows = self.config.draft_sampling == "sampled" and any(t > 0 for t in temperatures)
         if not sampled_rows:
-            return RoundOutput(self.rounds.run(rows, starts, slots, k))
+            tokens, seconds = self.rounds.run(rows, starts, slots, k, prefix_slots, prefix_len)
+            return RoundOutput(tokens, seconds=seconds)
         with eager_shapes():
             return self._sampled_round(rows, starts, slots, k, temperatures, seeds)
 
@@ -158,11 +204,11 @@ class GreedyRounds:
     eagerly first. Without graphs (the CPU) the same round function runs eagerly.
     """
 
-    def __init__(self, runner: DraftRunner, max_batch: int, use_graphs: bool):
+    def __init__(self, runner: DraftRunner, max_batch: int, max_rows: int, use_graphs: bool):
         self.runner = runner
         self.device = runner.device
         self.scratch_slot = max_batch
-        self.batch_buckets = buckets(max_batch)
+        self.batch_buckets = buckets(max_rows)
         self.ctx_buckets = buckets(runner.max_len, min(256, runner.max_len))
         self.widths = (1, 2)
         self.use_graphs = use_graphs and self.device.type == "cuda"
@@ -179,28 +225,36 @@ class GreedyRounds:
                 "positions": torch.arange(width, device=dev).repeat(batch, 1),
                 "slots": torch.full((batch,), self.scratch_slot, dtype=torch.int64, device=dev),
                 "last_index": torch.zeros(batch, dtype=torch.int64, device=dev),
+                # Branch rows: positions < prefix_len come from prefix_slots (0: the row's own slot only).
+                "prefix_slots": torch.full((batch,), self.scratch_slot, dtype=torch.int64, device=dev),
+                "prefix_len": torch.zeros(batch, dtype=torch.int64, device=dev),
             }
         return self.inputs[key]
 
     def round(self, x: dict[str, torch.Tensor], k: int, ctx: int) -> torch.Tensor:
-        """input_ids/positions [B, W], slots/last_index [B] -> k drafted target-vocab ids [B, k]."""
+        """input_ids/positions [B, W], slots/last_index/prefix_slots/prefix_len [B] -> k drafted target-vocab
+        ids [B, k], followed by the k second choices ([B, 2k]) when branches are on."""
         r = self.runner
         model = r.model
-        hidden = model(x["input_ids"], x["positions"], x["slots"], r.cache, ctx)
+        prefix = (x["prefix_slots"], x["prefix_len"]) if r.top2 else None
+        hidden = model(x["input_ids"], x["positions"], x["slots"], r.cache, ctx, prefix)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         hidden = hidden[rows, x["last_index"]]
         prev = x["input_ids"][rows, x["last_index"]]
         pos = x["positions"][rows, x["last_index"]]
-        drafted = []
+        drafted, seconds = [], []
         for j in range(k):
-            token = model.map_to_target(r.pick_greedy(hidden, prev))
+            best, second = r.pick_greedy(hidden, prev)
+            token = model.map_to_target(best)
             drafted.append(token)
+            if second is not None:
+                seconds.append(model.map_to_target(second))
             if j == k - 1:
                 break
             pos = pos + 1
-            hidden = model(token[:, None], pos[:, None], x["slots"], r.cache, ctx)[:, 0]
+            hidden = model(token[:, None], pos[:, None], x["slots"], r.cache, ctx, prefix)[:, 0]
             prev = token
-        return torch.stack(drafted, dim=1)
+        return torch.stack(drafted + seconds, dim=1)
 
     def _capture(self, batch: int, width: int, k: int, ctx: int):
         static = self._static(batch, width)
@@ -222,10 +276,21 @@ class GreedyRounds:
         return len(self.graphs)
 
     @torch.inference_mode()
-    def run(self, rows: list[list[int]], starts: list[int], slots: list[int], k: int) -> list[list[int]]:
-        """rows[b]: pending target-vocab ids appended at starts[b]; returns k greedy draft tokens per row."""
+    def run(
+        self,
+        rows: list[list[int]],
+        starts: list[int],
+        slots: list[int],
+        k: int,
+        prefix_slots: list[int] | None = None,
+        prefix_len: list[int] | None = None,
+    ) -> tuple[list[list[int]], list[list[int]] | None]:
+        """rows[b]: pending target-vocab ids appended at starts[b]; returns k greedy draft tokens per row
+        (and their second choices with branches on). Branch rows have prefix_len > 0 and width 1."""
         r = self.runner
         starts = list(starts)
+        prefix_slots = list(prefix_slots) if prefix_slots else list(slots)
+        prefix_len = list(prefix_len) if prefix_len else [0] * len(rows)
         if any(len(row) > self.widths[-1] for row in rows):  # long catch-ups: all but the last token
             early = [(row[:-1], s, slot) for row, s, slot in zip(rows, starts, slots) if len(row) > 1]
             batch = pack([e[0] for e in early], [e[1] for e in early], [e[2] for e in early], self.device,
@@ -242,29 +307,35 @@ class GreedyRounds:
         static = self._static(padded, width)
         ids = [row + [0] * (width - len(row)) for row in rows] + [[0] * width] * (padded - n)
         pos = [[s + j for j in range(width)] for s in starts] + [list(range(width))] * (padded - n)
+        pad = padded - n
         host = torch.tensor(
             [x for row in ids for x in row] + [x for row in pos for x in row]
-            + list(slots) + [self.scratch_slot] * (padded - n)
-            + [len(row) - 1 for row in rows] + [0] * (padded - n),
+            + list(slots) + [self.scratch_slot] * pad
+            + [len(row) - 1 for row in rows] + [0] * pad
+            + prefix_slots + [self.scratch_slot] * pad + prefix_len + [0] * pad,
             dtype=torch.int64,
         )  # fmt: skip
         flat = host.to(self.device, non_blocking=True)
         m = padded * width
         static["input_ids"].view(-1).copy_(flat[:m])
         static["positions"].view(-1).copy_(flat[m : 2 * m])
-        static["slots"].copy_(flat[2 * m : 2 * m + padded])
-        static["last_index"].copy_(flat[2 * m + padded :])
+        for i, name in enumerate(("slots", "last_index", "prefix_slots", "prefix_len")):
+            static[name].copy_(flat[2 * m + i * padded : 2 * m + (i + 1) * padded])
         key = (padded, width, k, ctx)
         if not self.use_graphs:
-            return self.round(static, k, ctx)[:n].tolist()
-        if key not in self.graphs:
-            log.warning("capturing a draft round graph while serving: batch %d, width %d, k %d, context %d",
-                        *key)  # fmt: skip
-            self.graphs[key] = self._capture(padded, width, k, ctx)
-        graph, out, per_replay = self.graphs[key]
-        graph.replay()
-        add_comm_stats(per_replay)
-        return out[:n].tolist()
+            out = self.round(static, k, ctx)[:n].tolist()
+        else:
+            if key not in self.graphs:
+                log.warning("capturing a draft round graph while serving: batch %d, width %d, k %d, "
+                            "context %d", *key)  # fmt: skip
+                self.graphs[key] = self._capture(padded, width, k, ctx)
+            graph, result, per_replay = self.graphs[key]
+            graph.replay()
+            add_comm_stats(per_replay)
+            out = result[:n].tolist()
+        if not r.top2:
+            return out, None
+        return [row[:k] for row in out], [row[k:] for row in out]
 
 
 def tp_worker(comm: Comm, config: DraftConfig) -> TPExecutor:
@@ -278,6 +349,18 @@ class Proposal:
     topk_ids: list[int] = field(default_factory=list)
     topk_probs: list[float] = field(default_factory=list)
     ahead_hit: bool = False
+    seconds: list[int] = field(default_factory=list)  # the draft's second choice at each position
+
+
+@dataclass
+class Branch:
+    """The next proposal for one outcome of verifying the current one (see the module docstring)."""
+
+    key: list[int]  # the tokens the verdict appends to the committed sequence for this branch to apply
+    proposal: Proposal
+    slot: int  # branch KV slot
+    split: int  # positions < split: the request's own slot; from split on: this slot
+    kv: list[int]  # tokens whose KV this slot holds from `split` on
 
 
 @dataclass
@@ -295,6 +378,8 @@ class DraftRequest:
     ready: Proposal | None = None  # a proposal computed before it was asked for
     ahead_expect: list[int] | None = None  # committed sequence under which `ahead` is valid
     ahead: Proposal | None = None
+    branch_base: int = 0  # committed length the branches extend
+    branches: list[Branch] = field(default_factory=list)
 
 
 def common_prefix(a: list[int], b: list[int], known: int = 0) -> int:
@@ -312,6 +397,9 @@ class DraftState:
     def __init__(self, runner: DraftRunner, slots: SlotTable):
         self.runner = runner
         self.slots = slots
+        self.branch_slots = SlotTable(getattr(runner, "num_branch_slots", 0))
+        self.branch_slot_offset = getattr(runner, "branch_slot_offset", 0)
+        self._copies: list[tuple[int, int, int, int]] = []  # (branch slot, request slot, start, length)
         self.ahead_hits = 0
         # Draft-ahead pays off only when whole rounds plus the bonus guess are right; on shared hardware a
         # miss costs the target time. Track the recent hit rate and pause below the threshold.
@@ -319,6 +407,7 @@ class DraftState:
         self.rounds_without_ahead = 0
         self.ahead_misses = 0
         self.draft_tokens = 0
+        self.round_ran = False  # whether the last propose() ran the model (not only ready proposals)
 
     def start(
         self, request_id: int, tokens: list[int], k: int, temperature: float, seed: int
@@ -327,7 +416,34 @@ class DraftState:
         return DraftRequest(request_id, slot, list(tokens), [], k, temperature, seed)
 
     def release(self, req: DraftRequest) -> None:
+        self._drop_branches(req)
         self.slots.free(req.slot)
+
+    @property
+    def branching(self) -> bool:
+        return self.branch_slots.num_slots > 0
+
+    def _drop_branches(self, req: DraftRequest) -> None:
+        for b in req.branches:
+            self.branch_slots.free(b.slot - self.branch_slot_offset)
+        req.branches = []
+
+    def _pick_branch(self, req: DraftRequest, start: int) -> bool | None:
+        """After a verdict: the branch whose key the committed sequence now ends with becomes the ready
+        proposal and its KV is queued for copying into the request's slot. None: there were no branches."""
+        if not req.branches:
+            return None
+        base = req.branch_base
+        appended = req.committed[base:] if start >= base else None
+        branch = next((b for b in req.branches if b.key == appended), None)
+        if branch is not None:
+            self._copies.append((branch.slot, req.slot, branch.split, len(branch.kv)))
+            del req.kv_tokens[branch.split :]
+            req.kv_tokens.extend(branch.kv)
+            req.ready = branch.proposal
+            req.ready.ahead_hit = True
+        self._drop_branches(req)  # slots are free for reuse: copies run before any later round
+        return branch is not None
 
     def apply_verdict(self, req: DraftRequest, start: int, tokens: list[int]) -> bool | None:
         """Commit the target's tokens; returns whether a draft-ahead guess hit (None: none was made)."""
@@ -337,7 +453,13 @@ class DraftState:
         del req.committed[start:]
         req.committed.extend(tokens)
         req.ready = None  # drafted for an older context (e.g. a step that asked this request for nothing)
-        hit = None
+        hit = self._pick_branch(req, start)
+        if hit is not None:
+            self.ahead_hits += hit
+            self.ahead_misses += not hit
+            self.ahead_hit_rate = 0.9 * self.ahead_hit_rate + 0.1 * float(hit)
+            if hit:  # the slot holds the committed sequence and the ready proposal's first tokens
+                return hit
         if req.ahead is not None:
             hit = req.ahead_expect == req.committed
             if hit:
@@ -358,14 +480,24 @@ class DraftState:
         return len(req.committed) + extra <= self.runner.max_len
 
     def _run(self, reqs: list[DraftRequest], rows: list[list[int]], k: int) -> RoundOutput:
-        return self.runner.executor.run(
+        return self._round(rows, [len(r.kv_tokens) for r in reqs], [r.slot for r in reqs], k, reqs)
+
+    def _round(self, rows, starts, slots, k, reqs, prefix_slots=(), prefix_len=()) -> RoundOutput:
+        executor = self.runner.executor
+        if self._copies:  # picked branches' KV first: the round may read it, and reuses branch slots
+            src, dst, first, n = (list(c) for c in zip(*self._copies))
+            self._copies = []
+            executor.run("copy_kv", src_slots=src, dst_slots=dst, starts=first, lengths=n)
+        return executor.run(
             "draft_round",
             rows=rows,
-            starts=[len(r.kv_tokens) for r in reqs],
-            slots=[r.slot for r in reqs],
+            starts=list(starts),
+            slots=list(slots),
             k=k,
             temperatures=[r.temperature for r in reqs],
             seeds=[r.seed for r in reqs],
+            prefix_slots=list(prefix_slots),
+            prefix_len=list(prefix_len),
         )
 
     def propose(self, reqs: list[DraftRequest], ks: list[int] | None = None) -> dict[int, Proposal]:
@@ -381,13 +513,17 @@ class DraftState:
             req.ready = None
             if ready is not None and len(ready.tokens) >= req.round_k > 0:
                 n = req.round_k
-                out[req.request_id] = Proposal(
-                    ready.tokens[:n], ready.topk_ids[: n * K], ready.topk_probs[: n * K], ready.ahead_hit
-                )
+                ids, probs = ready.topk_ids[: n * K], ready.topk_probs[: n * K]
+                hit, seconds = ready.ahead_hit, ready.seconds[:n]
+                out[req.request_id] = Proposal(ready.tokens[:n], ids, probs, hit, seconds)
             elif req.round_k > 0 and self.fits(req, 2 * req.round_k + 2):
+                # A picked branch left KV past the committed tokens: keep one committed token pending.
+                valid = min(common_prefix(req.kv_tokens, req.committed), len(req.committed) - 1)
+                del req.kv_tokens[valid:]
                 todo.append(req)
             else:
                 out[req.request_id] = Proposal([])
+        self.round_ran = bool(todo)
         if todo:
             k = max(r.round_k for r in todo)
             result = self._run(todo, [r.committed[len(r.kv_tokens) :] for r in todo], k)
@@ -396,8 +532,9 @@ class DraftState:
                 tokens = result.tokens[b][:n]
                 ids = result.topk_ids[b][: n * K] if result.topk_ids else []
                 probs = result.topk_probs[b][: n * K] if result.topk_probs else []
+                seconds = result.seconds[b][:n] if result.seconds else []
                 req.kv_tokens = req.committed + result.tokens[b][: k - 1]
-                out[req.request_id] = Proposal(tokens, ids, probs)
+                out[req.request_id] = Proposal(tokens, ids, probs, seconds=seconds)
         self.draft_tokens += sum(len(p.tokens) for p in out.values())
         return out
 
@@ -439,3 +576,52 @@ class DraftState:
             ids = result.topk_ids[b][K : (req.round_k + 1) * K] if result.topk_ids else []
             probs = result.topk_probs[b][K : (req.round_k + 1) * K] if result.topk_probs else []
             req.ahead = Proposal(nxt, ids, probs)
+
+    def draft_branches(
+        self, reqs: list[DraftRequest], proposals: dict[int, Proposal]
+    ) -> dict[int, tuple[int, list[Branch]]]:
+        """While the target verifies `proposals`, draft the next proposal for each likely outcome: for
+        each accepted length j < k the target's token guessed as the draft's second choice at position
+        j + 1, and for j = k the draft's own next token. One batched round; returns each request's
+        (committed length, branches) by request id."""
+        rows, starts, slots, prefix_slots, prefix_len, owners = [], [], [], [], [], []
+        for req in reqs:
+            prop = proposals.get(req.request_id)
+            if prop is None or not prop.tokens or len(prop.seconds) < len(prop.tokens):
+                continue
+            v, n = prop.tokens, len(prop.tokens)
+            base = len(req.committed)
+            # The request's slot must hold the committed tokens and all but the last proposed one.
+            if req.kv_tokens[base - 1 : base + n - 1] != req.committed[-1:] + v[:-1]:
+                continue
+            if not self.fits(req, 3 * req.k + 4) or self.branch_slots.num_free < n + 1:
+                continue
+            self._drop_branches(req)
+            req.branch_base = base
+            for j in range(n + 1):
+                slot = self.branch_slots.alloc() + self.branch_slot_offset
+                # j < n: the target rejects v[j] and emits the draft's second choice there; j = n: it
+                # accepts all and emits a token the round's first output guesses (fed: v[n - 1]).
+                feed = prop.seconds[j] if j < n else v[-1]
+                split = base + j if j < n else base + n - 1
+                rows.append([feed])
+                starts.append(split)
+                slots.append(slot)
+                prefix_slots.append(req.slot)
+                prefix_len.append(split)
+                owners.append((req, [*v[:j], feed] if j < n else None))
+        if not rows:
+            return {}
+        k = max(r.k for r, _ in owners) + 1
+        result = self._round(rows, starts, slots, k, [r for r, _ in owners], prefix_slots, prefix_len)
+        out: dict[int, tuple[int, list[Branch]]] = {}
+        for b, (req, key) in enumerate(owners):
+            tokens, seconds = result.tokens[b], result.seconds[b] if result.seconds else []
+            kv = rows[b] + tokens[: k - 1]
+            if key is None:  # all accepted: the first drafted token is the guess, the rest the proposal
+                key = proposals[req.request_id].tokens + tokens[:1]
+                tokens, seconds = tokens[1:], seconds[1:]
+            branch = Branch(key, Proposal(tokens[: req.k], seconds=seconds[: req.k]), slots[b], starts[b], kv)
+            req.branches.append(branch)
+            out.setdefault(req.request_id, (req.branch_base, []))[1].append(branch)
+        return out

@@ -127,10 +127,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                     and inbox.empty()
                     and self.state.ahead_worthwhile(self.config.draft_ahead_min_hit_rate, len(proposed[0]))
                 ):
-                    with self.engine_lock:
-                        t0 = time.perf_counter()
-                        self.state.draft_ahead(*proposed)
-                        self.metrics.draft_ahead_step.observe(time.perf_counter() - t0)
+                    branches = self._draft_ahead(proposed, msg.step)
+                    if branches:
+                        yield branches
         finally:
             with self.engine_lock:
                 for req in reqs.values():
@@ -138,6 +137,33 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self._update_gauges()
             self.streams -= 1
             log.info("target stream closed (%s), %d open", context.peer(), self.streams)
+
+    def _draft_ahead(self, proposed, step: int) -> draft_pb2.SpeculateResponse | None:
+        """The next round for the likely outcomes of this one: branches, sent to the target at once (it
+        may start its next step on them), or one all-accepted guess kept here (sampled drafting)."""
+        with self.engine_lock:
+            t0 = time.perf_counter()
+            if not self.state.branching:
+                self.state.draft_ahead(*proposed)
+                self.metrics.draft_ahead_step.observe(time.perf_counter() - t0)
+                return None
+            branches = self.state.draft_branches(*proposed)
+            self.metrics.draft_ahead_step.observe(time.perf_counter() - t0)
+        if not branches:
+            return None
+        response = draft_pb2.SpeculateResponse(step=step, branches=True)
+        for rid, (base, items) in branches.items():
+            response.proposals.append(
+                draft_pb2.Proposal(
+                    request_id=rid,
+                    context_length=base,
+                    candidates=[
+                        draft_pb2.Candidate(appended=b.key, token_ids=b.proposal.tokens) for b in items
+                    ],
+                )
+            )
+        self.metrics.count_grpc_message("sent", "speculate_branches", response.ByteSize())
+        return response
 
     def _step(
         self, msg: draft_pb2.SpeculateRequest, reqs: dict[int, DraftRequest], context: grpc.ServicerContext
@@ -176,7 +202,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         proposals = self.state.propose(targets, [k for _, k in asked]) if targets else {}
         elapsed = time.perf_counter() - t0
         if targets:
-            self.metrics.draft_step.observe(elapsed)
+            if self.state.round_ran:  # a round of the model, not only proposals drafted ahead
+                self.metrics.draft_step.observe(elapsed)
             self.metrics.drafts.inc(sum(1 for p in proposals.values() if p.tokens))
             self.metrics.draft_tokens.inc(sum(len(p.tokens) for p in proposals.values()))
         self._update_gauges()

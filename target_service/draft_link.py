@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -151,9 +152,16 @@ class DraftLink:
             time.sleep(0)
         return True
 
-    def receive(self, step: int, epoch: int, deadline: float) -> draft_pb2.SpeculateResponse | None:
-        """The answer to `step`, or None (stream ended, epoch changed, deadline passed). Answers to older
-        steps (late ones, or to messages sent without waiting) are dropped, never applied."""
+    def receive(
+        self,
+        step: int,
+        epoch: int,
+        deadline: float,
+        on_branches: Callable[[draft_pb2.SpeculateResponse], bool] | None = None,
+    ) -> draft_pb2.SpeculateResponse | None:
+        """The answer to `step`, or None (stream ended, epoch changed, deadline passed, or `on_branches`,
+        given each branches message met on the way, returned True: the caller needs no answer). Answers to
+        older steps (late ones, or to messages sent without waiting) are dropped, never applied."""
         recv_q = self._recv_q
         while epoch == self.epoch:
             remaining = deadline - time.perf_counter()
@@ -165,6 +173,10 @@ class DraftLink:
                 return None
             if response is _STREAM_END:
                 return None
+            if response.branches:
+                if on_branches is not None and on_branches(response):
+                    return None
+                continue
             if response.step == step:
                 return response
         return None

@@ -185,20 +185,36 @@ class DraftPool:
             self._sent[msg.step] = (sent, lost)
         return True
 
-    def receive(self, step: int, epoch: int, deadline: float) -> draft_pb2.SpeculateResponse | None:
+    def receive(
+        self,
+        step: int,
+        epoch: int,
+        deadline: float,
+        on_branches: Callable[[draft_pb2.SpeculateResponse], bool] | None = None,
+    ) -> draft_pb2.SpeculateResponse | None:
         """The merged answers to `step` (None: no replica answered and none lost a request).
 
         Requests of a replica whose stream ended are listed in `unknown_request_ids`: the scheduler
         starts them again and the pool places them on a live replica. A replica that misses the deadline
-        costs only its own requests' proposals this step.
+        costs only its own requests' proposals this step. Branches messages go to `on_branches`; when it
+        returns True the caller needs no answer and the remaining replicas are not waited for.
         """
         with self._lock:
             sent, lost = self._sent.pop(step, ({}, set()))
             for old in [s for s in self._sent if s < step]:  # sends nobody waits for (releases only)
                 del self._sent[old]
         responses: list[draft_pb2.SpeculateResponse] = []
+        done = False
+
+        def branches(response: draft_pb2.SpeculateResponse) -> bool:
+            nonlocal done
+            done = on_branches is not None and on_branches(response)
+            return done
+
         for replica, link_epoch in sent.items():
-            response = replica.link.receive(step, link_epoch, deadline)
+            if done:
+                break
+            response = replica.link.receive(step, link_epoch, deadline, branches)
             with self._lock:
                 if response is not None:
                     self._record(replica, response)

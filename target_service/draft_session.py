@@ -9,6 +9,13 @@ admitted after the ask get an ask of their own, so they are drafted for from the
 
 A step that wants no proposals sends nothing and waits for nothing: verdicts stay pending (the next ask
 sends everything the draft has not seen), releases go out without waiting for an answer.
+
+Branches: after answering, a greedy draft drafts the next proposal for each likely outcome of verifying
+the one it sent, and sends them as candidates keyed by the tokens the verdict will append. When every
+request of an ask finds its committed sequence among them, the step verifies those and does not wait
+for the answer (dropped when it comes): the draft's round and the transport overlap the target's
+verify instead of adding to it. A candidate is a draft for exactly the committed sequence it is keyed
+by, so using one is lossless whatever was verified before.
 """
 
 from __future__ import annotations
@@ -93,6 +100,8 @@ class DraftSession:
         self.last_wait = 0.0  # seconds the last collect() blocked
         self.last_wait_steady = False  # whether that wait was for steady-state asks only
         self.last_asked = False  # whether any ask was in flight at that collect
+        # draft id -> (committed length, {appended tokens: proposal}) from the latest branches message
+        self.candidates: dict[int, tuple[int, dict[tuple[int, ...], list[int]]]] = {}
 
     @property
     def attached(self) -> bool:
@@ -107,6 +116,7 @@ class DraftSession:
 
     def release(self, req: Request) -> None:
         """The request left the batch: free its draft state with the next message."""
+        self.candidates.pop(req.draft.draft_id, None)
         if req.draft.synced >= 0:
             self.releases.append(req.draft.draft_id)
             req.draft.synced = -1
@@ -115,6 +125,7 @@ class DraftSession:
         """A new stream: the draft knows nothing (releases moot, every request starts again)."""
         self.epoch = epoch
         self.releases.clear()
+        self.candidates.clear()
         for req in batch:
             req.draft.synced = -1
 
@@ -201,9 +212,48 @@ class DraftSession:
         self.last_wait = time.perf_counter() - t0
         return out
 
+    def _store_candidates(self, response: draft_pb2.SpeculateResponse) -> None:
+        for p in response.proposals:
+            table = {tuple(c.appended): list(c.token_ids) for c in p.candidates}
+            self.candidates[p.request_id] = (p.context_length, table)
+
+    def _from_candidates(self, ask: Ask, batch: list[Request]) -> dict[int, Proposal] | None:
+        """Every asked request's proposal from the branches, or None if one has no matching candidate."""
+        assert self.link is not None
+        by_id = {r.draft.draft_id: r for r in batch}
+        out: dict[int, Proposal] = {}
+        for rid, k in ask.ks.items():
+            req, entry = by_id.get(rid), self.candidates.get(rid)
+            if req is None or entry is None or len(req.tokens) <= entry[0]:
+                return None
+            tokens = entry[1].get(tuple(req.tokens[entry[0] :]))
+            if not tokens:
+                return None
+            proposal = checked_proposal(draft_pb2.Proposal(request_id=rid, token_ids=tokens), k,
+                                        self.link.target_vocab_size)  # fmt: skip
+            if not proposal.tokens:
+                return None
+            out[rid] = proposal
+        self.metrics.pipelined_steps.inc()
+        return out
+
     def _collect(self, ask: Ask, batch: list[Request]) -> dict[int, Proposal]:
         assert self.link is not None
-        response = self.link.receive(ask.step, ask.epoch, ask.sent + self.timeout)
+        # A steady ask (verdicts of one step, no starts) may be covered by the branches already here.
+        hits = self._from_candidates(ask, batch) if ask.steady and self.candidates else None
+        if hits is not None:
+            return hits
+
+        def on_branches(response: draft_pb2.SpeculateResponse) -> bool:
+            nonlocal hits
+            self._store_candidates(response)
+            if ask.steady:
+                hits = self._from_candidates(ask, batch)
+            return hits is not None
+
+        response = self.link.receive(ask.step, ask.epoch, ask.sent + self.timeout, on_branches)
+        if hits is not None:
+            return hits
         now = time.perf_counter()
         if response is None:
             self.metrics.fallback_steps.inc()

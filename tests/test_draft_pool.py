@@ -49,7 +49,7 @@ class ScriptedLink:
         self.answers[msg.step] = (epoch, self.answer(msg))
         return True
 
-    def receive(self, step, epoch, deadline):
+    def receive(self, step, epoch, deadline, on_branches=None):
         answer_epoch, response = self.answers.pop(step, (None, None))
         return response if self.connected and answer_epoch == epoch == self.epoch else None
 

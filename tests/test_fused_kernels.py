@@ -116,6 +116,73 @@ def test_attention_matches_reference(dtype, seq, heads, head_dim, splits):
     assert torch.equal(again, got)
 
 
+def _branch_case(dtype, seq, heads, head_dim=32):
+    """Four rows whose first prefix_len keys live in another slot (branch rows), on a cache long enough
+    (160) for two splits of 128 keys. prefix_len per row: 0 (a plain row), 9 (the row's first query
+    position), 66 (inside the row's second key block, below its queries), 130 (inside the second split;
+    with seq > 1 rows, keys of the row's own positions too)."""
+    g = torch.Generator().manual_seed(7)
+    kv_heads, max_len = 2, 160
+    q = torch.randn(4, seq, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    caches = [torch.randn(8, max_len, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE) for _ in "kv"]
+    starts = torch.tensor([0, 9, 70, 129], device=DEVICE)
+    positions = starts[:, None] + torch.arange(seq, device=DEVICE)
+    slots = torch.tensor([4, 0, 2, 5], device=DEVICE)
+    prefix_slots = torch.tensor([1, 3, 6, 7], device=DEVICE)  # each row's own prefix slot: see the poisoning
+    prefix_len = torch.tensor([0, 9, 66, 130], device=DEVICE)
+    return q, caches, positions, slots, prefix_slots, prefix_len, max_len
+
+
+@pytest.mark.parametrize(
+    "dtype,seq,heads,splits",
+    [
+        (torch.float32, 1, 4, 1),  # decode, GQA group 2, one split
+        (torch.float32, 2, 4, 2),  # two query tokens, two splits (prefix_len 130 inside the second)
+        (torch.float32, 2, 6, 1),  # group 3
+        (torch.float32, 1, 4, None),  # automatic split count
+        (torch.bfloat16, 2, 4, 2),
+    ],
+)
+def test_attention_with_prefix_slots_matches_reference(dtype, seq, heads, splits):
+    q, (kc, vc), positions, slots, prefix_slots, prefix_len, ctx_len = _branch_case(dtype, seq, heads)
+    scale = 32**-0.5
+    prefix = dict(prefix_slots=prefix_slots, prefix_len=prefix_len)
+    got = fused.attention(q, kc, vc, slots, positions, ctx_len, scale, num_splits=splits, **prefix)
+    want = fused.attention_reference(q, kc, vc, slots, positions, ctx_len, scale, **prefix)
+    torch.testing.assert_close(got.float(), want.float(), rtol=_tol(dtype), atol=_tol(dtype))
+    plain = fused.attention(q, kc, vc, slots, positions, ctx_len, scale, num_splits=splits)
+    assert not torch.allclose(got[1:].float(), plain[1:].float())  # the prefix did change what was read
+    assert torch.equal(got[0], plain[0])  # prefix_len 0: a plain row
+    # Each key is read from one slot only: poisoning the other slot's copy of it changes nothing.
+    for b in range(q.shape[0]):
+        n = int(prefix_len[b])
+        for cache in (kc, vc):
+            cache[slots[b], :n] = float("nan")
+            cache[prefix_slots[b], n:] = float("nan")
+    again = fused.attention(q, kc, vc, slots, positions, ctx_len, scale, num_splits=splits, **prefix)
+    assert torch.equal(again, got)
+    again_ref = fused.attention_reference(q, kc, vc, slots, positions, ctx_len, scale, **prefix)
+    assert torch.equal(again_ref, want)
+
+
+@pytest.mark.parametrize("seq", [1, 2])
+def test_attention_reference_prefix_equals_copied_prefix(seq):
+    """The semantics, independent of the kernel: reading keys < prefix_len[b] from prefix_slots[b] is the
+    plain attention on a cache where they were copied into the row's own slot."""
+    q, (kc, vc), positions, slots, prefix_slots, prefix_len, ctx_len = _branch_case(torch.float32, seq, 4)
+    scale = 32**-0.5
+    got = fused.attention_reference(
+        q, kc, vc, slots, positions, ctx_len, scale, prefix_slots=prefix_slots, prefix_len=prefix_len
+    )
+    kc2, vc2 = kc.clone(), vc.clone()
+    for b in range(q.shape[0]):
+        n = int(prefix_len[b])
+        kc2[slots[b], :n] = kc[prefix_slots[b], :n]
+        vc2[slots[b], :n] = vc[prefix_slots[b], :n]
+    want = fused.attention_reference(q, kc2, vc2, slots, positions, ctx_len, scale)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_whole_model_kernel_path_matches_reference_path(tmp_path, monkeypatch):
     """The model with every fused kernel (interpreted on the CPU) against its torch-reference path: a
     ragged prefill, a 4-wide verify and a decode, through merged projections and the split-KV attention."""
@@ -140,3 +207,36 @@ def test_whole_model_kernel_path_matches_reference_path(tmp_path, monkeypatch):
             outs[kernels] = [forward_rows(model, cache, *step) for step in script]
     for got, want in zip(outs[True], outs[False]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_whole_model_branch_row_matches_fresh_forward(tmp_path, monkeypatch, kernels):
+    """A branch row (slot 1) that reads the first 8 positions of a 12-token prompt from slot 0 and feeds
+    its own continuation at 8..11 has the hidden states of the full sequence prompt[:8] + continuation
+    written into a fresh slot from scratch; the plain row beside it (slot 0 decoding on past the prompt,
+    prefix_len 0) is unaffected. Both paths: torch references and the fused kernels (interpreted on the
+    CPU)."""
+    from common.distributed import Comm
+    from common.kv_cache import KVCache
+    from common.loader import load_model
+    from common.models.generate import forward_rows
+    from common.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", seed=3, num_layers=2, architecture="Qwen2ForCausalLM")
+    model = load_model(path, Comm(), device=DEVICE)
+    monkeypatch.setattr(fused, "on_gpu", lambda x: kernels)
+    prompt = [5, 17, 3, 99, 250, 7, 64, 12, 31, 8, 200, 45]
+    cont = [400, 2, 77, 150]  # a different continuation from position 8 on
+    with torch.inference_mode():
+        cache = KVCache.for_model(model, 3, 16)
+        forward_rows(model, cache, [0], [0], [prompt])
+        # Row 0: the branch (slot 1, prefix slot 0, prefix_len 8); row 1: slot 0's next token, padded.
+        ids = torch.tensor([cont, [9] * 4], device=DEVICE)
+        positions = torch.tensor([[8, 9, 10, 11], [12, 13, 14, 15]], device=DEVICE)
+        prefix = (torch.tensor([0, 0], device=DEVICE), torch.tensor([8, 0], device=DEVICE))
+        got = model(ids, positions, torch.tensor([1, 0], device=DEVICE), cache, 16, prefix=prefix)
+        fresh = forward_rows(model, cache, [2], [0], [prompt[:8] + cont])
+        cache_ref = KVCache.for_model(model, 1, 16)
+        plain = forward_rows(model, cache_ref, [0], [0], [[*prompt, 9]])
+    torch.testing.assert_close(got[0], fresh[0, 8:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[1, 0], plain[0, 12], rtol=1e-5, atol=1e-5)

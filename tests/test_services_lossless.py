@@ -70,6 +70,19 @@ def test_greedy_lossless_concurrent(stack):
     assert draft.metric("specsplit_draft_handle_seconds_sum") > 0
 
 
+def test_branches_let_steps_start_without_the_draft_answer(stack):
+    """One request at a time: the draft sends its branches after each answer, and the target verifies
+    the one its verdict picked without waiting; the output still equals plain decoding."""
+    draft, target = stack
+    before = target.metric("specsplit_spec_pipelined_steps_total")
+    hits = draft.metric("specsplit_draft_ahead_hits_total")
+    spec, _ = speculative_equals_plain(target.address, prompts(4, seed=5), 1)
+    assert all(r.usage.accepted_tokens > 0 for r in spec)
+    pipelined = target.metric("specsplit_spec_pipelined_steps_total") - before
+    steps = sum(r.usage.steps for r in spec)
+    assert pipelined > 0 and draft.metric("specsplit_draft_ahead_hits_total") > hits, (pipelined, steps)
+
+
 def test_greedy_lossless_mixed_k(stack):
     _, target = stack
     ps = prompts(12, seed=1)

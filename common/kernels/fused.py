@@ -273,6 +273,8 @@ def _attention_kernel(
     v_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
     pos_ptr,  # [B, L] int64 contiguous, non-decreasing along L
     slot_ptr,  # [B] int64
+    prefix_slot_ptr,  # [B] int64: the slot of row b's keys below prefix_len[b] (read only when HAS_PREFIX)
+    prefix_len_ptr,  # [B] int64: keys at positions < prefix_len[b] come from prefix_slot[b] (HAS_PREFIX)
     out_ptr,  # SPLITS == 1: [B, L, num_heads, head_dim] q's dtype; else fp32 [B, L, heads, SPLITS, head_dim]
     lse_ptr,  # fp32 [B, L, num_heads, SPLITS] log2-sum-exp of each split (only when SPLITS > 1)
     qk_scale,  # softmax scale * log2(e)
@@ -289,6 +291,7 @@ def _attention_kernel(
     SPLITS: tl.constexpr,
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16/fp16 tl.dot is wrong: upcast there
+    HAS_PREFIX: tl.constexpr,  # branch rows: a shared prefix read from another slot (False: plain rows)
 ):
     # One program: the GROUP * L query rows of one (row b, KV head) that fall in block `pid(1)`, against
     # the keys of split `pid(2)`. GQA without repeating K/V: the group's query heads are extra rows.
@@ -310,13 +313,24 @@ def _attention_kernel(
     slot = tl.load(slot_ptr + b)
     kv_base = slot * max_len * num_kv_heads * HEAD_DIM + kv_head * HEAD_DIM
     row_stride = num_kv_heads * HEAD_DIM
+    if HAS_PREFIX:
+        # A branch row shares its first prefix_len keys with another request's slot instead of holding a
+        # copy: those keys are read there, the rest (its own tokens, written by rotary_and_cache) in `slot`.
+        prefix_slot = tl.load(prefix_slot_ptr + b)
+        prefix_len = tl.load(prefix_len_ptr + b)
+        prefix_base = prefix_slot * max_len * num_kv_heads * HEAD_DIM + kv_head * HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_valid = n < end
-        kv_off = kv_base + n.to(tl.int64)[:, None] * row_stride + d[None, :]
+        if HAS_PREFIX:
+            # Per key: a block may straddle prefix_len, so its keys can come from two slots.
+            base = tl.where(n < prefix_len, prefix_base, kv_base)
+            kv_off = base[:, None] + n.to(tl.int64)[:, None] * row_stride + d[None, :]
+        else:
+            kv_off = kv_base + n.to(tl.int64)[:, None] * row_stride + d[None, :]
         kv_mask = n_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         if DOT_FP32:
@@ -391,12 +405,19 @@ def attention(
     ctx_len: int,
     scale: float,
     num_splits: int | None = None,
+    prefix_slots: Tensor | None = None,
+    prefix_len: Tensor | None = None,
 ) -> Tensor:
     """Causal attention of q [B, L, H, D] (rotated) over the cached keys of each row's slot.
 
     A query at position p sees keys 0..p of its slot; keys at or past ctx_len are never read, nor keys
     past the last query position of a block (the live KV). Static shapes per (B, L, ctx_len): the split
     count depends only on them, so the call is CUDA-graph capturable. Returns [B, L, H, D] in q's dtype.
+
+    Branch rows: with prefix_slots, prefix_len [B] int64 (device tensors, both or neither), row b reads
+    the keys and values at positions < prefix_len[b] from slot prefix_slots[b] and the rest from
+    slots[b], so a row diverging from another request after a shared prefix needs no copy of it. A row
+    with prefix_len 0 is a plain row. Without them the kernel compiles to the plain variant (HAS_PREFIX).
     """
     bsz, seq, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -407,6 +428,10 @@ def attention(
     splits = num_splits or _EAGER_SPLITS[0] or _num_splits(q, bsz * kv_heads * m_blocks, ctx_len, block_n)
     chunk = triton.cdiv(triton.cdiv(ctx_len, splits), block_n) * block_n
     splits = triton.cdiv(ctx_len, chunk)
+    has_prefix = prefix_slots is not None
+    assert has_prefix == (prefix_len is not None), "prefix_slots and prefix_len: both or neither"
+    if not has_prefix:
+        prefix_slots, prefix_len = slots, slots  # never read (HAS_PREFIX=False)
     q = q.contiguous()
     positions = positions.contiguous()
     out = torch.empty_like(q)
@@ -418,10 +443,10 @@ def attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = max(16, triton.next_power_of_2(head_dim))
     _attention_kernel[(bsz * kv_heads, m_blocks, splits)](
-        q, k_cache, v_cache, positions, slots, part, lse, scale * 1.4426950408889634,
-        seq, heads, kv_heads, k_cache.shape[1], chunk,
+        q, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse,
+        scale * 1.4426950408889634, seq, heads, kv_heads, k_cache.shape[1], chunk,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=precision, DOT_FP32=_INTERPRETED,
+        PRECISION=precision, DOT_FP32=_INTERPRETED, HAS_PREFIX=has_prefix,
     )  # fmt: skip
     if splits > 1:
         _attention_combine_kernel[(bsz * seq * heads,)](
@@ -440,14 +465,26 @@ def attention_reference(
     ctx_len: int,
     scale: float,
     num_splits: int | None = None,
+    prefix_slots: Tensor | None = None,
+    prefix_len: Tensor | None = None,
 ) -> Tensor:
-    """The same attention in eager torch: gather the slots' first ctx_len keys, mask by position."""
+    """The same attention in eager torch: gather the slots' first ctx_len keys, mask by position.
+
+    With prefix_slots, prefix_len (branch rows, see `attention`): gather both slots' keys and take each
+    key from prefix_slots[b] below prefix_len[b], from slots[b] from there on.
+    """
     bsz, seq, heads, head_dim = q.shape
     nkv = k_cache.shape[2]
     group = heads // nkv
+    assert (prefix_slots is None) == (prefix_len is None), "prefix_slots and prefix_len: both or neither"
     keys = k_cache[:, :ctx_len][slots]  # [B, ctx, nkv, hd]
     values = v_cache[:, :ctx_len][slots]
     key_pos = torch.arange(ctx_len, device=q.device)
+    if prefix_slots is not None:
+        # torch.where, not a blend: the unselected slot's stale (even NaN) keys must not leak in.
+        from_prefix = (key_pos < prefix_len.unsqueeze(-1))[:, :, None, None]  # [B, ctx, 1, 1]
+        keys = torch.where(from_prefix, k_cache[:, :ctx_len][prefix_slots], keys)
+        values = torch.where(from_prefix, v_cache[:, :ctx_len][prefix_slots], values)
     mask = (key_pos <= positions.unsqueeze(-1))[:, None, None]  # [B, 1, 1, L, ctx]
     # GQA without repeating K/V: the `group` query heads of one KV head become extra query rows.
     q = q.view(bsz, seq, nkv, group, head_dim).permute(0, 2, 3, 1, 4).reshape(bsz, nkv, group * seq, head_dim)

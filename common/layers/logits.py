@@ -62,3 +62,34 @@ def top_tokens(scores: Tensor, head: VocabParallelEmbedding, site: str = "lm_hea
     best_rank = gathered[:, :, 0].argmax(0)
     rows = torch.arange(gathered.shape[1], device=scores.device)
     return gathered[best_rank, rows, 1].long()
+
+
+def top2_tokens(
+    scores: Tensor, head: VocabParallelEmbedding, site: str = "lm_head_argmax"
+) -> tuple[Tensor, Tensor]:
+    """`top_tokens` (the same best id, bit for bit) and the second best id [N], from one [N, 4] all-gather:
+    each rank sends its best and second (score, id) pairs. The second choice is a guess (a branch's
+    key), so its tie order does not matter."""
+    if head.shard_valid < head.shard_size:
+        scores = scores.clone()
+        scores[:, head.shard_valid :] = float("-inf")
+    best = scores.argmax(-1)
+    rest = scores.scatter(-1, best.unsqueeze(-1), float("-inf"))
+    second = rest.argmax(-1)
+    if head.tp_size == 1:
+        return best, second
+    pairs = torch.stack(
+        (scores.gather(-1, best.unsqueeze(-1)).squeeze(-1), (best + head.shard_start).float(),
+         rest.gather(-1, second.unsqueeze(-1)).squeeze(-1), (second + head.shard_start).float()),
+        dim=-1,
+    )  # fmt: skip
+    gathered = head.comm.all_gather(pairs, site).view(head.tp_size, -1, 4)
+    rows = torch.arange(gathered.shape[1], device=scores.device)
+    best_rank = gathered[:, :, 0].argmax(0)
+    top = gathered[best_rank, rows, 1].long()
+    # The runner-up: the best rank's own second, or another rank's best.
+    others = gathered[:, :, 0].clone()
+    others[best_rank, rows] = gathered[best_rank, rows, 2]
+    second_rank = others.argmax(0)
+    column = torch.where(second_rank == best_rank, 3, 1)
+    return top, gathered[second_rank, rows, column].long()

@@ -4,7 +4,9 @@ Parameter names match the Hugging Face checkpoints (model.layers.N.self_attn.o_p
 the merged projections qkv_proj (q_proj, k_proj, v_proj) and gate_up_proj (gate_proj, up_proj), which the
 loader fills part by part (common/layers/shard.py). One forward serves prefill, one-token decode and
 (k+1)-token verification: each row writes its new K/V into its cache slot at its positions, then attends
-over its slot's keys up to its own position. No host syncs, static shapes per (B, L, ctx_len).
+over its slot's keys up to its own position (a "branch" row reads a prefix it shares with another
+request from that request's slot instead: `Transformer.forward`'s prefix). No host syncs, static shapes
+per (B, L, ctx_len).
 
 On the GPU a layer is: add+RMSNorm, qkv GEMM, rotary+KV write, attention, o_proj, add+RMSNorm, gate_up
 GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py); on the CPU the torch references of the same.
@@ -22,7 +24,7 @@ from common.distributed import Comm
 from common.kernels import fused
 from common.kv_cache import KVCache
 from common.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from common.layers.logits import LogitsProcessor, top_tokens
+from common.layers.logits import LogitsProcessor, top2_tokens, top_tokens
 from common.layers.markov import MarkovHead
 from common.layers.norm import RMSNorm
 from common.layers.rotary import RotaryEmbedding
@@ -63,6 +65,7 @@ class Attention(nn.Module):
         k_cache: Tensor,
         v_cache: Tensor,
         ctx_len: int,
+        prefix: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         bsz, seq, _ = x.shape
         hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
@@ -75,7 +78,13 @@ class Attention(nn.Module):
         rotary_and_cache = fused.rotary_and_cache if gpu else fused.rotary_and_cache_reference
         q = rotary_and_cache(q, k, v, *rope, positions, slots, k_cache, v_cache)
         attend = fused.attention if gpu else fused.attention_reference
-        out = attend(q, k_cache, v_cache, slots, positions, ctx_len, self.scale)
+        # Branch rows (prefix given) read their shared prefix's KV from another slot; their own new K/V
+        # went into `slots` above as for any row.
+        prefix_slots, prefix_len = prefix if prefix is not None else (None, None)
+        out = attend(
+            q, k_cache, v_cache, slots, positions, ctx_len, self.scale,
+            prefix_slots=prefix_slots, prefix_len=prefix_len,
+        )  # fmt: skip
         return self.o_proj(out.reshape(bsz, seq, nh * hd))
 
 
@@ -168,18 +177,29 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device)
 
     def forward(
-        self, input_ids: Tensor, positions: Tensor, slots: Tensor, cache: KVCache, ctx_len: int
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        cache: KVCache,
+        ctx_len: int,
+        prefix: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """input_ids, positions [B, L] int64; slots [B] -> hidden [B, L, hidden] after the final norm.
 
         Row b's tokens are written to cache slot slots[b] at `positions` before attention; a query at
         position p sees its slot's keys at positions <= p. Padded tail entries of a row (positions
         continuing past the real ones, < cache.max_len) write harmless KV beyond the valid length.
+
+        prefix: None, or (prefix_slots, prefix_len) [B] int64 device tensors for branch rows: row b then
+        sees the keys at positions < prefix_len[b] in slot prefix_slots[b] (another request's cache that
+        shares that prefix, not copied) and those from prefix_len[b] on in slots[b]. Its new tokens are
+        still written to slots[b]; prefix_len[b] = 0 makes row b a plain row. No host syncs either way.
         """
         rope = self.rotary(positions)
         x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            x, residual = layer(x, residual, rope, slots, positions, cache.k[i], cache.v[i], ctx_len)
+            x, residual = layer(x, residual, rope, slots, positions, cache.k[i], cache.v[i], ctx_len, prefix)
         return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: Tensor, prev_token_ids: Tensor | None = None) -> Tensor:
@@ -190,16 +210,17 @@ class Transformer(nn.Module):
             logits = logits + self.markov_head.bias(prev_token_ids)
         return logits
 
-    def get_top_tokens(self, hidden: Tensor, prev_token_ids: Tensor | None = None) -> Tensor:
+    def get_top_tokens(self, hidden: Tensor, prev_token_ids: Tensor | None = None, second: bool = False):
         """[N, H] -> [N] int64 ids (LM-head vocab) equal to compute_logits(...).argmax(-1), ties included,
-        with one [N, 2] all_gather instead of a full-vocab gather."""
+        with one [N, 2] all_gather instead of a full-vocab gather. second=True: (ids, second-best ids),
+        one [N, 4] all_gather."""
         head = self.lm_head
         scores = self.logits_processor.local_scores(head, hidden)
         if self.markov_head is not None and prev_token_ids is not None:
             scores = scores + self.markov_head.bias_for_shard(
                 prev_token_ids, head.shard_start, head.shard_size
             )
-        return top_tokens(scores, head)
+        return top2_tokens(scores, head) if second else top_tokens(scores, head)
 
     def map_to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocab ids -> target-vocab ids through d2t (target = draft + d2t[draft]); identity without."""

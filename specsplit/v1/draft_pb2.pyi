@@ -140,6 +140,37 @@ class SpeculateRequest(_message.Message):
 Global___SpeculateRequest: _TypeAlias = SpeculateRequest  # noqa: Y015
 
 @_typing.final
+class Candidate(_message.Message):
+    """Proposals for the request's next step, drafted before the target decided this one: valid when
+    the target's verdict appends exactly `appended` to the committed sequence the proposal was made
+    for (its `context_length` tokens). The draft drafts one per likely outcome of the verification
+    (each accepted length with its guess of the target's token), so that the target can start the next
+    step without waiting for the draft's answer.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPENDED_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def appended(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        appended: _abc.Iterable[_builtins.int] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["appended", b"appended", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Candidate: _TypeAlias = Candidate  # noqa: Y015
+
+@_typing.final
 class Proposal(_message.Message):
     """One request's proposal of k tokens. For sampled drafting the draft's top-K
     truncated distribution is sent per position, flattened [k * top_k]:
@@ -154,16 +185,26 @@ class Proposal(_message.Message):
     TOPK_IDS_FIELD_NUMBER: _builtins.int
     TOPK_PROBS_FIELD_NUMBER: _builtins.int
     DRAFT_AHEAD_HIT_FIELD_NUMBER: _builtins.int
+    CANDIDATES_FIELD_NUMBER: _builtins.int
+    CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     top_k: _builtins.int
     draft_ahead_hit: _builtins.bool
     """True when the proposal came from draft-ahead and its guess was right."""
+    context_length: _builtins.int
+    """Length of the committed sequence these proposals (and candidates) were drafted for."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def topk_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def topk_probs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]: ...
+    @_builtins.property
+    def candidates(self) -> _containers.RepeatedCompositeFieldContainer[Global___Candidate]:
+        """Greedy drafting with branches (see Candidate): proposals for the step after this one, keyed by
+        the tokens this one's verification appends. Sent in a `branches` response.
+        """
+
     def __init__(
         self,
         *,
@@ -173,10 +214,12 @@ class Proposal(_message.Message):
         topk_ids: _abc.Iterable[_builtins.int] | None = ...,
         topk_probs: _abc.Iterable[_builtins.float] | None = ...,
         draft_ahead_hit: _builtins.bool = ...,
+        candidates: _abc.Iterable[Global___Candidate] | None = ...,
+        context_length: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ahead_hit", b"draft_ahead_hit", "request_id", b"request_id", "token_ids", b"token_ids", "top_k", b"top_k", "topk_ids", b"topk_ids", "topk_probs", b"topk_probs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["candidates", b"candidates", "context_length", b"context_length", "draft_ahead_hit", b"draft_ahead_hit", "request_id", b"request_id", "token_ids", b"token_ids", "top_k", b"top_k", "topk_ids", b"topk_ids", "topk_probs", b"topk_probs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -191,12 +234,17 @@ class SpeculateResponse(_message.Message):
     DRAFT_SECONDS_FIELD_NUMBER: _builtins.int
     UNKNOWN_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     FREE_SLOTS_FIELD_NUMBER: _builtins.int
+    BRANCHES_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     draft_seconds: _builtins.float
     """Wall time the draft spent on this step (forwards only), seconds."""
     free_slots: _builtins.int
     """KV slots free on this draft after the step, over all its streams: targets sharing a pool of
     drafts place new requests on the replica with the most.
+    """
+    branches: _builtins.bool
+    """A second message for `step`, sent after its answer: only the candidates of its proposals
+    (drafted while the target verifies them). Never an answer itself.
     """
     @_builtins.property
     def proposals(self) -> _containers.RepeatedCompositeFieldContainer[Global___Proposal]: ...
@@ -214,10 +262,11 @@ class SpeculateResponse(_message.Message):
         draft_seconds: _builtins.float = ...,
         unknown_request_ids: _abc.Iterable[_builtins.int] | None = ...,
         free_slots: _builtins.int | None = ...,
+        branches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_free_slots", b"_free_slots", "free_slots", b"free_slots"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_free_slots", b"_free_slots", "draft_seconds", b"draft_seconds", "free_slots", b"free_slots", "proposals", b"proposals", "step", b"step", "unknown_request_ids", b"unknown_request_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_free_slots", b"_free_slots", "branches", b"branches", "draft_seconds", b"draft_seconds", "free_slots", b"free_slots", "proposals", b"proposals", "step", b"step", "unknown_request_ids", b"unknown_request_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__free_slots: _TypeAlias = _typing.Literal["free_slots"]  # noqa: Y015
     _WhichOneofArgType__free_slots: _TypeAlias = _typing.Literal["_free_slots", b"_free_slots"]  # noqa: Y015
