@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Draft branches on nvidia-h200-x2 (docs/benchmarks.md, "Serving loop"): the GPU tests of the branch
-# attention and the branch rounds, then the split placement (draft GPU 0, target GPU 1) at B = 1, 4, 16
-# with branches (the default) and without (--no-draft-branches: one all-accepted guess, kept in the
-# draft), 3 repeats each, plain / fixed / adaptive targets.
-#   bash bench/device_branches.sh [tests|bench|all]
+# attention and the branch rounds, then PLACEMENT (split: draft GPU 0, target GPU 1; or colocated) at
+# BATCHES with branches (the default) and, at AB_BATCHES, without (--no-draft-branches: one all-accepted
+# guess, kept in the draft), 3 repeats each, plain / fixed / adaptive targets.
+#   [PLACEMENT=split] [BATCHES="1 4 16 64"] [AB_BATCHES="1 16"] bash bench/device_branches.sh [tests|bench|all]
 set -euo pipefail
 WHAT=${1:-all}
 source bench/device_env.sh
@@ -13,10 +13,12 @@ if [ "$WHAT" != bench ]; then
     -k "branch or prefix" 2>&1 | tail -n 15 | tee "$OUT/gpu_tests.txt"
 fi
 [ "$WHAT" = tests ] && exit 0
+P=${PLACEMENT:-split}
 common=(--preset qwen1.5b --device cuda --dtypes bfloat16 --repeats 3 --new-tokens 128 --models /tmp/models
-        --placement split --modes plain fixed adaptive)
-for variant in branches single; do
-  extra=(); [ "$variant" = single ] && extra=(--draft-args=--no-draft-branches)
-  python3 bench/bench_e2e.py "${common[@]}" "${extra[@]}" --batches ${BATCHES:-1 4 16} \
-    --logs "/tmp/e2e-logs-$variant" --out "$OUT/e2e-split-$variant.json" | tee "$OUT/e2e-split-$variant.txt" | grep -v '^{'
-done
+        --placement "$P" --modes plain fixed adaptive)
+python3 bench/bench_e2e.py "${common[@]}" --batches ${BATCHES:-1 4 16 64} --logs "/tmp/e2e-logs-$P-branches" \
+  --out "$OUT/e2e-$P-branches.json" | tee "$OUT/e2e-$P-branches.txt" | grep -v '^{'
+if [ -n "${AB_BATCHES-1 16}" ]; then
+  python3 bench/bench_e2e.py "${common[@]}" --draft-args=--no-draft-branches --batches ${AB_BATCHES:-1 16} \
+    --logs "/tmp/e2e-logs-$P-single" --out "$OUT/e2e-$P-single.json" | tee "$OUT/e2e-$P-single.txt" | grep -v '^{'
+fi

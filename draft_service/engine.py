@@ -69,7 +69,7 @@ class DraftRunner:
         # branch slots.
         self.top2 = config.draft_branches and config.draft_sampling == "greedy"
         self.branch_slot_offset = config.max_batch_size + 1
-        branch_slots = config.draft_branch_slots or 8 * (config.num_speculative_tokens + 1)
+        branch_slots = config.draft_branch_slots or 16 * (config.num_speculative_tokens + 1)
         self.num_branch_slots = branch_slots if self.top2 else 0
         num_slots = self.branch_slot_offset + self.num_branch_slots
         self.cache = KVCache.for_model(self.model, num_slots, self.max_len)
@@ -424,8 +424,8 @@ class DraftState:
         return self.branch_slots.num_slots > 0
 
     def _drop_branches(self, req: DraftRequest) -> None:
-        for b in req.branches:
-            self.branch_slots.free(b.slot - self.branch_slot_offset)
+        for slot in {b.slot for b in req.branches}:  # the plain-step branch shares the all-accepted one's
+            self.branch_slots.free(slot - self.branch_slot_offset)
         req.branches = []
 
     def _pick_branch(self, req: DraftRequest, start: int) -> bool | None:
@@ -583,7 +583,10 @@ class DraftState:
         """While the target verifies `proposals`, draft the next proposal for each likely outcome: for
         each accepted length j < k the target's token guessed as the draft's second choice at position
         j + 1, and for j = k the draft's own next token. One batched round; returns each request's
-        (committed length, branches) by request id."""
+        (committed length, branches) by request id. One more branch costs no row: a step that verified
+        no draft for the request (the target did not wait for this proposal) and emitted its first token:
+        its proposal is the rest of this one and the all-accepted row's guess (the KV it lacks, of the
+        last proposed token, is in that row's slot)."""
         rows, starts, slots, prefix_slots, prefix_len, owners = [], [], [], [], [], []
         for req in reqs:
             prop = proposals.get(req.request_id)
@@ -619,7 +622,13 @@ class DraftState:
             tokens, seconds = result.tokens[b], result.seconds[b] if result.seconds else []
             kv = rows[b] + tokens[: k - 1]
             if key is None:  # all accepted: the first drafted token is the guess, the rest the proposal
-                key = proposals[req.request_id].tokens + tokens[:1]
+                prop = proposals[req.request_id]
+                key = prop.tokens + tokens[:1]
+                plain = Proposal(
+                    (prop.tokens[1:] + tokens[:1])[: req.k], seconds=(prop.seconds[1:] + seconds[:1])[: req.k]
+                )
+                req.branches.append(Branch(prop.tokens[:1], plain, slots[b], starts[b], rows[b]))
+                out.setdefault(req.request_id, (req.branch_base, []))[1].append(req.branches[-1])
                 tokens, seconds = tokens[1:], seconds[1:]
             branch = Branch(key, Proposal(tokens[: req.k], seconds=seconds[: req.k]), slots[b], starts[b], kv)
             req.branches.append(branch)

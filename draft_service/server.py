@@ -121,11 +121,15 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.metrics.draft_handle.observe(time.perf_counter() - arrived)
                 yield response
                 # Draft-ahead runs while the target verifies, unless the next step is already here.
+                # A single guess spares the target nothing unless every request's hits; branches pay per
+                # request (the target verifies the hits and decodes the rest plainly meanwhile).
                 if (
                     self.config.draft_ahead
                     and proposed
                     and inbox.empty()
-                    and self.state.ahead_worthwhile(self.config.draft_ahead_min_hit_rate, len(proposed[0]))
+                    and self.state.ahead_worthwhile(
+                        self.config.draft_ahead_min_hit_rate, 1 if self.state.branching else len(proposed[0])
+                    )
                 ):
                     branches = self._draft_ahead(proposed, msg.step)
                     if branches:

@@ -14,8 +14,10 @@ Branches: after answering, a greedy draft drafts the next proposal for each like
 the one it sent, and sends them as candidates keyed by the tokens the verdict will append. When every
 request of an ask finds its committed sequence among them, the step verifies those and does not wait
 for the answer (dropped when it comes): the draft's round and the transport overlap the target's
-verify instead of adding to it. A candidate is a draft for exactly the committed sequence it is keyed
-by, so using one is lossless whatever was verified before.
+verify instead of adding to it. When only some do, the step goes on without waiting if that yields
+more tokens per second than waiting would (the others decode one token plainly this step; the draft
+sends a candidate for that outcome too). A candidate is a draft for exactly the committed sequence it
+is keyed by, so using one is lossless whatever was verified before.
 """
 
 from __future__ import annotations
@@ -102,6 +104,11 @@ class DraftSession:
         self.last_asked = False  # whether any ask was in flight at that collect
         # draft id -> (committed length, {appended tokens: proposal}) from the latest branches message
         self.candidates: dict[int, tuple[int, dict[tuple[int, ...], list[int]]]] = {}
+        # Running figures for going on with part of the branches: accepted drafts per speculating
+        # request and step, verify seconds per step, and the draft's round trip.
+        self.accepted_per_row = 1.0
+        self.verify_seconds = 0.0
+        self.round_trip = 0.0
 
     @property
     def attached(self) -> bool:
@@ -217,25 +224,47 @@ class DraftSession:
             table = {tuple(c.appended): list(c.token_ids) for c in p.candidates}
             self.candidates[p.request_id] = (p.context_length, table)
 
+    def note_step(self, drafted_rows: int, accepted: int, verify_seconds: float) -> None:
+        """One step's outcome (from the scheduler): what going on without some proposals would lose."""
+        if drafted_rows:
+            self.accepted_per_row = 0.9 * self.accepted_per_row + 0.1 * accepted / drafted_rows
+        self.verify_seconds = verify_seconds if not self.verify_seconds else (
+            0.9 * self.verify_seconds + 0.1 * verify_seconds)  # fmt: skip
+
     def _from_candidates(self, ask: Ask, batch: list[Request]) -> dict[int, Proposal] | None:
-        """Every asked request's proposal from the branches, or None if one has no matching candidate."""
+        """Asked requests' proposals from the branches: all of them, or those that have one when going on
+        without the others beats waiting for the answer; None: wait."""
         assert self.link is not None
         by_id = {r.draft.draft_id: r for r in batch}
         out: dict[int, Proposal] = {}
         for rid, k in ask.ks.items():
             req, entry = by_id.get(rid), self.candidates.get(rid)
             if req is None or entry is None or len(req.tokens) <= entry[0]:
-                return None
+                continue
             tokens = entry[1].get(tuple(req.tokens[entry[0] :]))
-            if not tokens:
-                return None
-            proposal = checked_proposal(draft_pb2.Proposal(request_id=rid, token_ids=tokens), k,
-                                        self.link.target_vocab_size)  # fmt: skip
-            if not proposal.tokens:
-                return None
-            out[rid] = proposal
+            if tokens:
+                proposal = checked_proposal(draft_pb2.Proposal(request_id=rid, token_ids=tokens), k,
+                                            self.link.target_vocab_size)  # fmt: skip
+                if proposal.tokens:
+                    out[rid] = proposal
+        missed = len(ask.ks) - len(out)
+        # A seeded sampled request always verifies its own k drafts (its output depends on its seed
+        # alone): it is never left out.
+        pinned = any(by_id[rid].pinned_k for rid in ask.ks if rid not in out and rid in by_id)
+        if not out or (missed and (pinned or not self._go_on(len(out), missed, ask))):
+            return None
         self.metrics.pipelined_steps.inc()
         return out
+
+    def _go_on(self, hits: int, missed: int, ask: Ask) -> bool:
+        """Tokens per second of this step with `missed` requests decoding one token plainly, now, against
+        all of them speculating after the rest of the round trip (the step's verify the same)."""
+        if not self.verify_seconds:
+            return False
+        tokens = 1.0 + self.accepted_per_row
+        wait = max(0.0, self.round_trip - (time.perf_counter() - ask.sent))
+        verify = self.verify_seconds
+        return (hits * tokens + missed) * (verify + wait) >= (hits + missed) * tokens * verify
 
     def _collect(self, ask: Ask, batch: list[Request]) -> dict[int, Proposal]:
         assert self.link is not None
@@ -261,6 +290,9 @@ class DraftSession:
                 log.warning("draft answered step %d too late; verified it with k = 0", ask.step)
             return {}
         self.metrics.round_trip.observe(now - ask.sent)
+        self.round_trip = (
+            now - ask.sent if not self.round_trip else 0.9 * self.round_trip + 0.1 * (now - ask.sent)
+        )
         if response.unknown_request_ids:
             unknown = set(response.unknown_request_ids)
             for req in batch:

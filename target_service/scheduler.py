@@ -188,6 +188,7 @@ class Scheduler:
         self.verify_backend = runner.verify_backend
         self.streamer = Streamer(metrics, self._delivered)
         self.phase_seconds = dict.fromkeys(("plan", "propose", "verify", "commit"), 0.0)
+        self._last_verify = 0.0
         self.steps = 0
         # Labelled series exist from the start, so rate() sees their first increase.
         for pos in range(config.max_speculative_tokens):
@@ -320,6 +321,7 @@ class Scheduler:
         result = self.runner.step(rows, width)  # verify
         add_pending_logprobs(batch, result.logits, width, result.tokens)
         t3 = time.perf_counter()
+        self._last_verify = t3 - t2
         self._commit(batch, drafts, result.tokens, result.accepted)
         t4 = time.perf_counter()
         self._account(batch, width, result.gpu_seconds, t0, t1, t2, t3, t4)
@@ -382,6 +384,7 @@ class Scheduler:
         done = {id(r) for r, _ in finished}
         self._ask([r for r in batch if id(r) not in done and not r.cancelled])
         self.streamer.tokens([(req, new) for req, new in zip(batch, new_tokens) if new], time.perf_counter())
+        self.session.note_step(num_drafts, num_accepted, self._last_verify)
         if num_drafts:
             self.metrics.drafts.inc(num_drafts)
             self.metrics.draft_tokens.inc(num_drafted)

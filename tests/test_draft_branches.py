@@ -39,15 +39,18 @@ def fresh(state: DraftState, committed: list[int]) -> list[int]:
 
 def test_each_branch_proposes_what_a_fresh_round_would(state):
     prompt = [5, 17, 42, 8, 99, 23, 7, 61, 3, 250, 11]
-    for j in range(K + 1):  # pick branch j: j tokens accepted, then the draft's guess
+    for j in range(K + 2):  # pick branch j: j tokens accepted, then the draft's guess (K + 1: plain step)
         req = state.start(1, prompt, K, 0.0, 0)
         first = state.propose([req])[1]
         assert len(first.tokens) == K and len(first.seconds) == K
         assert all(s != t for s, t in zip(first.seconds, first.tokens))
         base, branches = state.draft_branches([req], {1: first})[1]
-        assert base == len(prompt) and len(branches) == K + 1
+        assert base == len(prompt) and len(branches) == K + 2
+        plain = next(b for b in branches if b.key == first.tokens[:1])  # a plain step emitting draft 1
+        branches = [b for b in branches if b is not plain] + [plain]
         keys = [b.key for b in branches]
         assert keys[:K] == [[*first.tokens[:i], first.seconds[i]] for i in range(K)]
+        assert keys[K + 1] == first.tokens[:1]
         assert keys[K][:K] == first.tokens and len(keys[K]) == K + 1
         hits = state.ahead_hits
         assert state.apply_verdict(req, len(prompt), keys[j]) is True and state.ahead_hits == hits + 1
