@@ -22,3 +22,6 @@ if [ -n "${AB_BATCHES-1 16}" ]; then
   python3 bench/bench_e2e.py "${common[@]}" --draft-args=--no-draft-branches --batches ${AB_BATCHES:-1 16} \
     --logs "/tmp/e2e-logs-$P-single" --out "$OUT/e2e-$P-single.json" | tee "$OUT/e2e-$P-single.txt" | grep -v '^{'
 fi
+if [ -n "${THEN_COLOCATED:-}" ]; then
+  PLACEMENT=colocated BATCHES="1 16 64" AB_BATCHES="" THEN_COLOCATED="" bash bench/device_branches.sh bench
+fi

@@ -35,8 +35,9 @@ class DraftConfig(ServiceConfig):
     )
     draft_branch_slots: int = flag(
         0,
-        "KV slots for branches (each request branching at k takes k + 1 while the target verifies); "
-        "0 = enough for 8 requests at --num-speculative-tokens (branching pays only at small batches)",
+        "KV slots for branches, which also caps the rows of a branch round (each request branching at k "
+        "takes k + 1); 0 = 4 requests' worth at --num-speculative-tokens. Larger batches branch for "
+        "that many requests: a bigger branch round outlasts the target's verify on this draft",
     )
     draft_ahead_min_hit_rate: float = flag(
         0.15,

@@ -69,7 +69,7 @@ class DraftRunner:
         # branch slots.
         self.top2 = config.draft_branches and config.draft_sampling == "greedy"
         self.branch_slot_offset = config.max_batch_size + 1
-        branch_slots = config.draft_branch_slots or 16 * (config.num_speculative_tokens + 1)
+        branch_slots = config.draft_branch_slots or 4 * (config.num_speculative_tokens + 1)
         self.num_branch_slots = branch_slots if self.top2 else 0
         num_slots = self.branch_slot_offset + self.num_branch_slots
         self.cache = KVCache.for_model(self.model, num_slots, self.max_len)
