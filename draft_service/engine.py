@@ -588,6 +588,11 @@ class DraftState:
         its proposal is the rest of this one and the all-accepted row's guess (the KV it lacks, of the
         last proposed token, is in that row's slot)."""
         rows, starts, slots, prefix_slots, prefix_len, owners = [], [], [], [], [], []
+        # All or none: the target goes on without waiting only when most of its requests have their
+        # branch; a branch round for a few of many requests costs a round and spares the target nothing.
+        needed = sum(len(p.tokens) + 1 for r in reqs if (p := proposals.get(r.request_id)) and p.tokens)
+        if needed > self.branch_slots.num_free + sum(len({b.slot for b in r.branches}) for r in reqs):
+            return {}
         for req in reqs:
             prop = proposals.get(req.request_id)
             if prop is None or not prop.tokens or len(prop.seconds) < len(prop.tokens):

@@ -233,7 +233,7 @@ class DraftSession:
 
     def _from_candidates(self, ask: Ask, batch: list[Request]) -> dict[int, Proposal] | None:
         """Asked requests' proposals from the branches: all of them, or those that have one when going on
-        without the others beats waiting for the answer; None: wait."""
+        without the others beats waiting for the answer (and they are at least half); None: wait."""
         assert self.link is not None
         by_id = {r.draft.draft_id: r for r in batch}
         out: dict[int, Proposal] = {}
@@ -248,10 +248,12 @@ class DraftSession:
                 if proposal.tokens:
                     out[rid] = proposal
         missed = len(ask.ks) - len(out)
+        if not out:
+            return None
         # A seeded sampled request always verifies its own k drafts (its output depends on its seed
         # alone): it is never left out.
         pinned = any(by_id[rid].pinned_k for rid in ask.ks if rid not in out and rid in by_id)
-        if not out or (missed and (pinned or not self._go_on(len(out), missed, ask))):
+        if len(out) < missed or (missed and (pinned or not self._go_on(len(out), missed, ask))):
             return None
         self.metrics.pipelined_steps.inc()
         return out
