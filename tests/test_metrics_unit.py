@@ -42,7 +42,13 @@ def exercised(service: str = "target") -> tuple[CollectorRegistry, ServiceMetric
     m.accepted_tokens.inc(25)
     for pos, n in enumerate((9, 7, 5, 4)):
         m.accepted_at_position(pos).inc(n)
-    for c in (m.draft_ahead_hits, m.draft_ahead_misses, m.fallback_steps, m.draft_reconnects):
+    for c in (
+        m.draft_ahead_hits,
+        m.draft_ahead_misses,
+        m.fallback_steps,
+        m.draft_reconnects,
+        m.pipelined_steps,
+    ):
         c.inc()
     m.generated_tokens.inc(35)
     m.prompt_tokens.inc(16)
