@@ -1,5 +1,6 @@
 """The draft's branch round on the GPU: what a round of R branch rows costs against a fresh round, with
-and without the second-choice pick, and the whole `DraftState.draft_branches` call (its Python and the
+and without the second-choice pick (a masked copy and a second argmax; torch.topk(2) measured slower,
+docs/bench/branch-round-h200.json), and the whole `DraftState.draft_branches` call (its Python and the
 KV copies included) as the service runs it.
 
     python bench/branch_round.py --rows 5 20 40 80 --out branch_round.json
@@ -57,10 +58,7 @@ def main() -> int:
     args = ap.parse_args()
     _, draft_dir = make_models(Path(args.models), "qwen1.5b")
     results = []
-    import common.layers.logits as logits_module
-
-    for top2, method in ((True, "mask"), (True, "topk"), (False, "none")):
-        logits_module.TOP2_METHOD = method
+    for top2, method in ((True, "mask"), (False, "none")):
         config = DraftConfig(model=str(draft_dir), device="cuda", dtype="bfloat16", max_batch_size=16,
                              num_speculative_tokens=args.k, draft_branches=top2, log_format="json",
                              draft_branch_slots=max(args.rows), max_context_length=1024)  # fmt: skip
