@@ -123,15 +123,16 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 # Draft-ahead runs while the target verifies, unless the next step is already here.
                 # A single guess spares the target nothing unless every request's hits; branches pay per
                 # request (the target verifies the hits and decodes the rest plainly meanwhile).
+                branching = self.state.branching and msg.want_branches
                 if (
                     self.config.draft_ahead
                     and proposed
                     and inbox.empty()
                     and self.state.ahead_worthwhile(
-                        self.config.draft_ahead_min_hit_rate, 1 if self.state.branching else len(proposed[0])
+                        self.config.draft_ahead_min_hit_rate, 1 if branching else len(proposed[0])
                     )
                 ):
-                    branches = self._draft_ahead(proposed, msg.step)
+                    branches = self._draft_ahead(proposed, msg.step, branching)
                     if branches:
                         yield branches
         finally:
@@ -142,12 +143,12 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             self.streams -= 1
             log.info("target stream closed (%s), %d open", context.peer(), self.streams)
 
-    def _draft_ahead(self, proposed, step: int) -> draft_pb2.SpeculateResponse | None:
+    def _draft_ahead(self, proposed, step: int, branching: bool) -> draft_pb2.SpeculateResponse | None:
         """The next round for the likely outcomes of this one: branches, sent to the target at once (it
         may start its next step on them), or one all-accepted guess kept here (sampled drafting)."""
         with self.engine_lock:
             t0 = time.perf_counter()
-            if not self.state.branching:
+            if not branching:
                 self.state.draft_ahead(*proposed)
                 self.metrics.draft_ahead_step.observe(time.perf_counter() - t0)
                 return None

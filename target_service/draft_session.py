@@ -106,6 +106,7 @@ class DraftSession:
         self.candidates: dict[int, tuple[int, dict[tuple[int, ...], list[int]]]] = {}
         # Running figures for going on with part of the branches: accepted drafts per speculating
         # request and step, verify seconds per step, and the draft's round trip.
+        self.want_branches = True  # ask the draft for branches (the adaptive policy's BranchGate decides)
         self.accepted_per_row = 1.0
         self.verify_seconds = 0.0
         self.round_trip = 0.0
@@ -138,7 +139,9 @@ class DraftSession:
 
     def _message(self, want: list[Request], ks: dict[int, int]) -> draft_pb2.SpeculateRequest:
         self.step_no += 1
-        msg = draft_pb2.SpeculateRequest(step=self.step_no, releases=self.releases)
+        msg = draft_pb2.SpeculateRequest(
+            step=self.step_no, releases=self.releases, want_branches=self.want_branches
+        )
         self.releases = []
         for req in want:
             d = req.draft

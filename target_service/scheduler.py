@@ -26,7 +26,7 @@ from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
 from target_service.draft_session import DraftSession, Proposal, checked_proposal
 from target_service.logprobs import add_pending_logprobs
-from target_service.policy import ADAPTIVE, SpeculationPolicy, StepCosts
+from target_service.policy import ADAPTIVE, BranchGate, SpeculationPolicy, StepCosts
 from target_service.request import FINISH, Request, Status, check_stop
 from target_service.runner import StepRow, TargetRunner
 
@@ -177,6 +177,8 @@ class Scheduler:
         self.policy = SpeculationPolicy(config.speculation_policy, self.costs)
         # Only the adaptive policy with a draft reads the step costs: nobody else pays for keeping them.
         self.learn_costs = config.speculation_policy == ADAPTIVE and link is not None
+        # The adaptive policy also measures whether the draft's branches pay (fixed: always asked for).
+        self.branch_gate = BranchGate(self.costs) if self.learn_costs else None
         self.slots = SlotTable(config.max_batch_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -189,6 +191,7 @@ class Scheduler:
         self.streamer = Streamer(metrics, self._delivered)
         self.phase_seconds = dict.fromkeys(("plan", "propose", "verify", "commit"), 0.0)
         self._last_verify = 0.0
+        self._emitted = 0
         self.steps = 0
         # Labelled series exist from the start, so rate() sees their first increase.
         for pos in range(config.max_speculative_tokens):
@@ -322,6 +325,7 @@ class Scheduler:
         add_pending_logprobs(batch, result.logits, width, result.tokens)
         t3 = time.perf_counter()
         self._last_verify = t3 - t2
+        self._emitted = sum(len(out) for out in result.tokens)
         self._commit(batch, drafts, result.tokens, result.accepted)
         t4 = time.perf_counter()
         self._account(batch, width, result.gpu_seconds, t0, t1, t2, t3, t4)
@@ -329,6 +333,8 @@ class Scheduler:
     def _ask(self, batch: list[Request], subset: list[Request] | None = None) -> None:
         """Ask the draft for the policy's k (chosen for the whole batch) for `subset` (default: all)."""
         k = self.policy.choose(batch) if self.session.attached else 0
+        if self.branch_gate is not None:
+            self.session.want_branches = self.branch_gate.want(len(batch))
         self.session.ask(batch if subset is None else subset, k, self.runner.max_context)
         if subset is None:
             self.metrics.step_k.observe(k)
@@ -400,6 +406,8 @@ class Scheduler:
         t0, t1, t2, t3, t4 = marks
         if self.learn_costs:
             self._learn_costs(len(batch), width, t4 - t0, t3 - t2)
+        if self.branch_gate is not None:
+            self.branch_gate.observe(len(batch), self._emitted, t4 - t0)
         self.metrics.verify_step.observe(t3 - t2)
         if gpu:
             self.metrics.step_gpu.observe(gpu)

@@ -98,11 +98,16 @@ class SpeculateRequest(_message.Message):
     PROPOSE_FIELD_NUMBER: _builtins.int
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     PROPOSE_K_FIELD_NUMBER: _builtins.int
+    WANT_BRANCHES_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Strictly increasing per stream; the answer carries the same number."""
     target_vocab_size: _builtins.int
     """Set on the first message of a stream: the target's vocabulary size, which
     every proposed id must stay below.
+    """
+    want_branches: _builtins.bool
+    """Draft the branches of this step's proposals (greedy drafting): the target will use them. Unset:
+    the draft keeps to one all-accepted guess of its own (draft-ahead).
     """
     @_builtins.property
     def starts(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftRequestStart]: ...
@@ -130,10 +135,11 @@ class SpeculateRequest(_message.Message):
         propose: _abc.Iterable[_builtins.int] | None = ...,
         target_vocab_size: _builtins.int = ...,
         propose_k: _abc.Iterable[_builtins.int] | None = ...,
+        want_branches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["propose", b"propose", "propose_k", b"propose_k", "releases", b"releases", "starts", b"starts", "step", b"step", "target_vocab_size", b"target_vocab_size", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["propose", b"propose", "propose_k", b"propose_k", "releases", b"releases", "starts", b"starts", "step", b"step", "target_vocab_size", b"target_vocab_size", "verdicts", b"verdicts", "want_branches", b"want_branches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
