@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from common.metrics import ServiceMetrics
@@ -78,3 +80,29 @@ def test_less_than_half_the_batch_waits():
     batch = [req(i, [1, i]) for i in range(1, 4)]
     branches(s, 1, 1, {(1,): [7, 7]})
     assert s._from_candidates(ask({1: 2, 2: 2, 3: 2}), batch) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    committed=st.lists(st.integers(0, 9), min_size=1, max_size=6),
+    base=st.integers(0, 6),
+    table=st.dictionaries(
+        st.lists(st.integers(0, 9), max_size=4).map(tuple),
+        st.lists(st.integers(0, VOCAB + 5), max_size=5),
+        max_size=6,
+    ),
+    k=st.integers(1, 4),
+)
+def test_a_used_candidate_is_always_the_one_keyed_by_the_committed_tokens(committed, base, table, k):
+    """Whatever the draft sends (any keys, empty or out-of-vocabulary proposals), a proposal taken from
+    the branches is the first k tokens of the candidate whose key is exactly the tokens committed since
+    its base, within the vocabulary; otherwise the step waits."""
+    s = session()
+    branches(s, 1, base, table)
+    got = s._from_candidates(ask({1: k}), [req(1, committed)])
+    key = tuple(committed[base:])
+    expected = table.get(key, [])[:k] if len(committed) > base else []
+    if expected and max(expected) < VOCAB:
+        assert got is not None and got[1].tokens == expected
+    else:
+        assert got is None
