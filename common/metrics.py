@@ -128,9 +128,9 @@ class ServiceMetrics:
         )
         self.draft_handle = histogram(
             "draft_handle_seconds",
-            "A Speculate message in the draft: from its arrival to its answer being handed to gRPC "
-            "(checks, verdicts, the draft round, the answer built); the target's round trip less this "
-            "is the transport and the thread hand-offs.",
+            "A Speculate message in the draft: from the servicer reading it to its answer being handed "
+            "to gRPC (checks, verdicts, the draft round, the answer built); the target's round trip "
+            "less this is the transport, the thread hand-offs and any wait behind a branch round.",
             STEP_BUCKETS,
         )
         self.draft_ahead_step = histogram(

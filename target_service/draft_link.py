@@ -50,8 +50,8 @@ class DraftLink:
         self.epoch = 0
         self._connected = threading.Event()
         self._closed = threading.Event()
-        self._send_q: queue.Queue | None = None
-        self._recv_q: queue.Queue = queue.Queue()
+        self._send_q: queue.SimpleQueue | None = None
+        self._recv_q: queue.SimpleQueue = queue.SimpleQueue()  # C queues: lighter hand-offs
         self._first_message = True
         self._call: grpc.Call | None = None
         self._thread = threading.Thread(target=self._run, name="draft-link", daemon=True)
@@ -91,8 +91,8 @@ class DraftLink:
                 self.info = stub.GetDraftInfo(
                     draft_pb2.GetDraftInfoRequest(), metadata=self.metadata, timeout=10
                 )
-                send_q: queue.Queue = queue.Queue()
-                self._recv_q = queue.Queue()
+                send_q: queue.SimpleQueue = queue.SimpleQueue()
+                self._recv_q = queue.SimpleQueue()
                 call = stub.Speculate(iter(send_q.get, None), metadata=self.metadata)
                 self._call, self._send_q = call, send_q
                 self._first_message = True

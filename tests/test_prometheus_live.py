@@ -105,7 +105,12 @@ def settled(draft: ServiceProcess, target: ServiceProcess, timeout: float = 20.0
 def sums(service: str, samples: Samples) -> dict[str, float]:
     """PromQL sums Prometheus must show once it has scraped `samples` (counters only: they are exact)."""
     sel = f'{{role="{service}"}}'
-    names = [BYTES, TOKENS] if service == "draft" else [TOKENS, "specsplit_generation_tokens_total"]
+    # The target's TPOT count too: a scrape can land between a request's last token and its TPOT.
+    names = (
+        [BYTES, TOKENS]
+        if service == "draft"
+        else [TOKENS, "specsplit_generation_tokens_total", f"{TPOT}_count"]
+    )
     return {f"sum({n}{sel})": metric_sum(samples, n) for n in names}
 
 
