@@ -25,7 +25,8 @@ from bench.bench_e2e import make_models
 from common.distributed import init_tp
 from common.kv_cache import SlotTable
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftRunner, DraftState
+from draft_service.runner import DraftRunner
+from draft_service.state import DraftState
 
 
 def timed(fn, rounds: int = 200) -> tuple[float, float, list[tuple[str, float]]]:

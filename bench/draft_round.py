@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.distributed import init_tp
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftRunner
+from draft_service.runner import DraftRunner
 
 
 def main() -> int:

@@ -18,8 +18,9 @@ from common.kv_cache import SlotTable
 from common.service import open_front, serve_until_drained, service_metrics
 from common.settings import parse_config
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftState, RoundOutput
+from draft_service.runner import RoundOutput
 from draft_service.server import DraftServicer
+from draft_service.state import DraftState
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 VOCAB = 512

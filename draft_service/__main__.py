@@ -12,8 +12,9 @@ from common.service import model_label, open_front, serve_until_drained, service
 from common.settings import parse_config
 from common.tp_executor import launch_tp, torchrun_rank
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftRunner, DraftState, tp_worker
+from draft_service.runner import DraftRunner, tp_worker
 from draft_service.server import DraftServicer
+from draft_service.state import DraftState
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specsplit.draft")

@@ -12,7 +12,7 @@ import grpc
 from common.distributed import comm_stats
 from common.metrics import ServiceMetrics
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftRequest, DraftState, Proposal
+from draft_service.state import DraftRequest, DraftState, Proposal
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specsplit.draft")

@@ -13,7 +13,8 @@ from common.distributed import init_tp
 from common.kv_cache import SlotTable
 from common.tiny import make_tiny_model
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftRunner, DraftState
+from draft_service.runner import DraftRunner
+from draft_service.state import DraftState
 
 K = 3
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the GPU: the Triton kernels and CUDA graphs

@@ -10,7 +10,7 @@ import pytest
 from common.settings import ServiceConfig, flag, parse_config
 from common.tiny import make_tiny_model
 from common.tokenizer import load_tokenizer
-from draft_service.engine import DraftRequest, DraftState, Proposal, common_prefix
+from draft_service.state import DraftRequest, DraftState, Proposal, common_prefix
 from target_service.detok import StreamDetokenizer
 
 

@@ -1,0 +1,337 @@
+"""Draft model execution, on every TP rank: the model shard, its KV cache and the draft rounds.
+
+A draft round takes each request's pending tokens (committed tokens whose KV the
+draft does not hold yet, at least one), runs them in one padded forward, then
+drafts k tokens one position at a time for the whole batch. Greedy drafting
+picks tokens with the local-argmax reduction (or a full-logit argmax), and with
+branches on also the second choice at each position; sampled drafting samples
+from the draft's own top-K truncated distribution, which is sent to the target
+as q. Every rank runs the same round, so the token choices (and the collectives
+inside) line up without extra traffic. Branch rows (draft_service/state.py) read
+the KV they share with their request from its slot (attention's prefix slot).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from common.batch import pack
+from common.config import DTYPES
+from common.cuda_graphs import buckets, capture, warm_eager_shapes
+from common.distributed import Comm, add_comm_stats
+from common.kernels.fused import eager_shapes
+from common.kernels.sampling import sample_draft_topk
+from common.kv_cache import KVCache
+from common.loader import load_model
+from common.tp_executor import TPExecutor, rank_device
+from draft_service.config import DraftConfig
+
+log = logging.getLogger("specsplit.draft")
+
+
+@dataclass
+class RoundOutput:
+    tokens: list[list[int]]  # [B][k] target-vocab ids
+    topk_ids: list[list[int]] | None = None  # [B][k*K] (sampled rows only, else empty)
+    topk_probs: list[list[float]] | None = None
+    seconds: list[list[int]] | None = None  # [B][k] the draft's second choice at each position (branches)
+
+
+class DraftRunner:
+    """The model shard and KV cache of one rank; `draft_round` runs on all ranks."""
+
+    def __init__(self, comm: Comm, config: DraftConfig):
+        self.config = config
+        self.device = rank_device(config.device, comm.rank)
+        self.model = load_model(
+            config.model,
+            comm,
+            device=self.device,
+            dtype=DTYPES[config.dtype],
+            markov_head_mode=config.markov_head_mode,
+            use_local_argmax_reduction=config.use_local_argmax_reduction
+            and config.draft_sampling == "greedy",
+            draft_sampling=config.draft_sampling,
+            progress=comm.rank == 0 and config.log_format == "text",
+        )
+        # Room for the drafted tokens and a draft-ahead round past the context limit.
+        self.max_len = config.max_context_length + 2 * config.max_speculative_tokens + 4
+        # One slot per request, a scratch slot for the padded rows of static-shape steps, then the
+        # branch slots.
+        self.top2 = config.draft_branches and config.draft_sampling == "greedy"
+        self.branch_slot_offset = config.max_batch_size + 1
+        branch_slots = config.draft_branch_slots or 4 * (config.num_speculative_tokens + 1)
+        self.num_branch_slots = branch_slots if self.top2 else 0
+        num_slots = self.branch_slot_offset + self.num_branch_slots
+        self.cache = KVCache.for_model(self.model, num_slots, self.max_len)
+        self.executor = TPExecutor(comm, {"draft_round": self.draft_round, "copy_kv": self.copy_kv})
+        # Branch rounds batch up to every branch slot: their batch buckets are captured too.
+        max_rows = max(config.max_batch_size, self.num_branch_slots)
+        self.rounds = GreedyRounds(self, config.max_batch_size, max_rows, config.cuda_graphs)
+        # Every round the default k produces (k + 1 for draft-ahead), catch-up of 1 or 2 tokens. Sampled
+        # drafting never replays a greedy round: it only needs the eager warm-up round.
+        ks = range(1, config.num_speculative_tokens + 2)
+        self.graphs = self.rounds.warm_up(ks, (1, 2), capture_graphs=config.draft_sampling == "greedy")
+        warm_eager_shapes(self.model, self.cache, config.max_batch_size)  # catch-ups and starts
+
+    def pick_greedy(
+        self, hidden: torch.Tensor, prev: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden [B, H], prev [B] (the token just fed, for the Markov bias) -> greedy draft-vocab ids [B],
+        and with branches on, the second choice [B] (the guess of the target's token where it rejects)."""
+        if self.config.use_local_argmax_reduction:
+            if self.top2:
+                return self.model.get_top_tokens(hidden, prev, second=True)
+            return self.model.get_top_tokens(hidden, prev), None
+        logits = self.model.compute_logits(hidden, prev)
+        best = logits.argmax(dim=-1)
+        if not self.top2:
+            return best, None
+        return best, logits.scatter(-1, best[:, None], float("-inf")).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def copy_kv(
+        self, src_slots: list[int], dst_slots: list[int], starts: list[int], lengths: list[int]
+    ) -> None:
+        """Copies positions [starts[i], starts[i] + lengths[i]) of slot src_slots[i] to dst_slots[i], every
+        layer (a picked branch's KV into its request's slot)."""
+        src, dst, pos = [], [], []
+        for s, d, a, n in zip(src_slots, dst_slots, starts, lengths):
+            src += [s] * n
+            dst += [d] * n
+            pos += range(a, a + n)
+        idx = torch.tensor([src, dst, pos], dtype=torch.int64).to(self.device, non_blocking=True)
+        for cache in (*self.cache.k, *self.cache.v):
+            cache[idx[1], idx[2]] = cache[idx[0], idx[2]]
+
+    def max_target_id(self) -> int:
+        mc = self.model.config
+        draft_vocab = torch.arange(mc.draft_vocab_size or mc.vocab_size, device=self.device)
+        return int(self.model.map_to_target(draft_vocab).max())
+
+    def _pick(
+        self,
+        hidden: torch.Tensor,
+        prev: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [B, H], prev [B] (the token just fed, for the Markov bias) -> sampled draft-vocab ids [B]
+        (greedy rows: the argmax) and each row's top-K ids and probabilities (its q)."""
+        logits = self.model.compute_logits(hidden, prev)
+        greedy = temperature <= 0
+        token, ids, probs = sample_draft_topk(
+            logits,
+            torch.where(greedy, torch.ones_like(temperature), temperature),
+            seeds,
+            positions,
+            self.config.sampled_top_k,
+        )
+        token = torch.where(greedy, logits.argmax(dim=-1), token)
+        return token, ids, probs
+
+    @torch.inference_mode()
+    def draft_round(
+        self,
+        rows: list[list[int]],
+        starts: list[int],
+        slots: list[int],
+        k: int,
+        temperatures: list[float],
+        seeds: list[int],
+        prefix_slots: list[int],
+        prefix_len: list[int],
+    ) -> RoundOutput:
+        """rows[b]: pending target-vocab ids appended at starts[b]; returns k drafted tokens per row.
+        Branch rows (greedy only) read positions < prefix_len[b] from slot prefix_slots[b]; empty lists:
+        no branch rows."""
+        sampled_rows = self.config.draft_sampling == "sampled" and any(t > 0 for t in temperatures)
+        if not sampled_rows:
+            tokens, seconds = self.rounds.run(rows, starts, slots, k, prefix_slots, prefix_len)
+            return RoundOutput(tokens, seconds=seconds)
+        with eager_shapes():
+            return self._sampled_round(rows, starts, slots, k, temperatures, seeds)
+
+    def _sampled_round(self, rows, starts, slots, k, temperatures, seeds) -> RoundOutput:
+        """Sampled drafting: eager, one position at a time (each position samples from the draft's top-K)."""
+        batch = pack(rows, starts, slots, self.device, self.max_len)
+        hidden = self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
+        rows_idx = torch.arange(len(rows), device=self.device)
+        hidden = hidden[rows_idx, batch.last_index]
+        prev = batch.input_ids[rows_idx, batch.last_index]
+        positions = batch.positions[rows_idx, batch.last_index] + 1
+        temperature = torch.tensor(temperatures, dtype=torch.float32, device=self.device)
+        seed_t = torch.tensor(seeds, dtype=torch.int64, device=self.device)
+        drafted, all_ids, all_probs = [], [], []
+        draft_ids, ids, probs = self._pick(hidden, prev, temperature, seed_t, positions)
+        for j in range(k):
+            token = self.model.map_to_target(draft_ids)
+            drafted.append(token)
+            all_ids.append(self.model.map_to_target(ids))
+            all_probs.append(probs)
+            if j == k - 1:
+                break
+            ctx = min(self.max_len, batch.ctx_len + j + 1)
+            hidden = self.model(token[:, None], positions[:, None], batch.slots, self.cache, ctx)[:, 0]
+            draft_ids, ids, probs = self._pick(hidden, token, temperature, seed_t, positions + 1)
+            positions = positions + 1
+        tokens = torch.stack(drafted, dim=1).tolist()
+        ids = torch.stack(all_ids, dim=1).flatten(1)
+        probs = torch.stack(all_probs, dim=1).flatten(1)
+        greedy = [t <= 0 for t in temperatures]
+        return RoundOutput(
+            tokens,
+            [[] if g else row for g, row in zip(greedy, ids.tolist())],
+            [[] if g else row for g, row in zip(greedy, probs.tolist())],
+        )
+
+
+class GreedyRounds:
+    """A whole greedy draft round as one CUDA graph replay: the catch-up forward over each request's
+    pending tokens (1 or 2 after a verdict), then k one-token positions, each fed the previous position's
+    token on the device. One graph per (batch bucket, catch-up width, k, context bucket); the round
+    reads back one [B, k] tensor. Longer catch-ups (a new request, a long verdict) run their extra tokens
+    eagerly first. Without graphs (the CPU) the same round function runs eagerly.
+    """
+
+    def __init__(self, runner: DraftRunner, max_batch: int, max_rows: int, use_graphs: bool):
+        self.runner = runner
+        self.device = runner.device
+        self.scratch_slot = max_batch
+        self.batch_buckets = buckets(max_rows)
+        self.ctx_buckets = buckets(runner.max_len, min(256, runner.max_len))
+        self.widths = (1, 2)
+        self.use_graphs = use_graphs and self.device.type == "cuda"
+        self.graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+
+    def _static(self, batch: int, width: int) -> dict[str, torch.Tensor]:
+        key = (batch, width)
+        if key not in self.inputs:
+            dev = self.device
+            self.inputs[key] = {
+                "input_ids": torch.zeros(batch, width, dtype=torch.int64, device=dev),
+                "positions": torch.arange(width, device=dev).repeat(batch, 1),
+                "slots": torch.full((batch,), self.scratch_slot, dtype=torch.int64, device=dev),
+                "last_index": torch.zeros(batch, dtype=torch.int64, device=dev),
+                # Branch rows: positions < prefix_len come from prefix_slots (0: the row's own slot only).
+                "prefix_slots": torch.full((batch,), self.scratch_slot, dtype=torch.int64, device=dev),
+                "prefix_len": torch.zeros(batch, dtype=torch.int64, device=dev),
+            }
+        return self.inputs[key]
+
+    def round(self, x: dict[str, torch.Tensor], k: int, ctx: int) -> torch.Tensor:
+        """input_ids/positions [B, W], slots/last_index/prefix_slots/prefix_len [B] -> k drafted target-vocab
+        ids [B, k], followed by the k second choices ([B, 2k]) when branches are on."""
+        r = self.runner
+        model = r.model
+        prefix = (x["prefix_slots"], x["prefix_len"]) if r.top2 else None
+        hidden = model(x["input_ids"], x["positions"], x["slots"], r.cache, ctx, prefix)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        hidden = hidden[rows, x["last_index"]]
+        prev = x["input_ids"][rows, x["last_index"]]
+        pos = x["positions"][rows, x["last_index"]]
+        drafted, seconds = [], []
+        for j in range(k):
+            best, second = r.pick_greedy(hidden, prev)
+            token = model.map_to_target(best)
+            drafted.append(token)
+            if second is not None:
+                seconds.append(model.map_to_target(second))
+            if j == k - 1:
+                break
+            pos = pos + 1
+            hidden = model(token[:, None], pos[:, None], x["slots"], r.cache, ctx, prefix)[:, 0]
+            prev = token
+        return torch.stack(drafted + seconds, dim=1)
+
+    def _capture(self, batch: int, width: int, k: int, ctx: int):
+        static = self._static(batch, width)
+        return capture(lambda: self.round(static, k, ctx), self.device, self.pool)
+
+    @torch.inference_mode()
+    def warm_up(self, ks, widths, capture_graphs: bool) -> int:
+        """One eager round on the scratch slot (kernels warm, every collective site counted once, so its
+        metric series exist); on the GPU, captures every (batch bucket, width, k, context bucket)."""
+        self.round(self._static(1, 1), 1, self.ctx_buckets[0])
+        if not (self.use_graphs and capture_graphs):
+            return 0
+        for ctx in self.ctx_buckets:
+            for batch in self.batch_buckets:
+                for width in widths:
+                    for k in ks:
+                        self.graphs[batch, width, k, ctx] = self._capture(batch, width, k, ctx)
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs)
+
+    @torch.inference_mode()
+    def run(
+        self,
+        rows: list[list[int]],
+        starts: list[int],
+        slots: list[int],
+        k: int,
+        prefix_slots: list[int] | None = None,
+        prefix_len: list[int] | None = None,
+    ) -> tuple[list[list[int]], list[list[int]] | None]:
+        """rows[b]: pending target-vocab ids appended at starts[b]; returns k greedy draft tokens per row
+        (and their second choices with branches on). Branch rows have prefix_len > 0 and width 1."""
+        r = self.runner
+        starts = list(starts)
+        prefix_slots = list(prefix_slots) if prefix_slots else list(slots)
+        prefix_len = list(prefix_len) if prefix_len else [0] * len(rows)
+        if any(len(row) > self.widths[-1] for row in rows):  # long catch-ups: all but the last token
+            early = [(row[:-1], s, slot) for row, s, slot in zip(rows, starts, slots) if len(row) > 1]
+            batch = pack([e[0] for e in early], [e[1] for e in early], [e[2] for e in early], self.device,
+                         r.max_len)  # fmt: skip
+            with eager_shapes():
+                r.model(batch.input_ids, batch.positions, batch.slots, r.cache, batch.ctx_len)
+            starts = [s + len(row) - 1 for row, s in zip(rows, starts)]
+            rows = [row[-1:] for row in rows]
+        n = len(rows)
+        width = max(len(row) for row in rows)
+        padded = next(b for b in self.batch_buckets if b >= n) if n <= self.batch_buckets[-1] else n
+        ctx_needed = max(s + width for s in starts) + k
+        ctx = next((c for c in self.ctx_buckets if c >= ctx_needed), self.ctx_buckets[-1])
+        static = self._static(padded, width)
+        ids = [row + [0] * (width - len(row)) for row in rows] + [[0] * width] * (padded - n)
+        pos = [[s + j for j in range(width)] for s in starts] + [list(range(width))] * (padded - n)
+        pad = padded - n
+        host = torch.tensor(
+            [x for row in ids for x in row] + [x for row in pos for x in row]
+            + list(slots) + [self.scratch_slot] * pad
+            + [len(row) - 1 for row in rows] + [0] * pad
+            + prefix_slots + [self.scratch_slot] * pad + prefix_len + [0] * pad,
+            dtype=torch.int64,
+        )  # fmt: skip
+        flat = host.to(self.device, non_blocking=True)
+        m = padded * width
+        static["input_ids"].view(-1).copy_(flat[:m])
+        static["positions"].view(-1).copy_(flat[m : 2 * m])
+        for i, name in enumerate(("slots", "last_index", "prefix_slots", "prefix_len")):
+            static[name].copy_(flat[2 * m + i * padded : 2 * m + (i + 1) * padded])
+        key = (padded, width, k, ctx)
+        if not self.use_graphs:
+            out = self.round(static, k, ctx)[:n].tolist()
+        else:
+            if key not in self.graphs:
+                log.warning("capturing a draft round graph while serving: batch %d, width %d, k %d, "
+                            "context %d", *key)  # fmt: skip
+                self.graphs[key] = self._capture(padded, width, k, ctx)
+            graph, result, per_replay = self.graphs[key]
+            graph.replay()
+            add_comm_stats(per_replay)
+            out = result[:n].tolist()
+        if not r.top2:
+            return out, None
+        return [row[:k] for row in out], [row[k:] for row in out]
+
+
+def tp_worker(comm: Comm, config: DraftConfig) -> TPExecutor:
+    """Entry of TP ranks > 0 (a module-level function so that spawn can pickle it)."""
+    return DraftRunner(comm, config).executor

@@ -1,0 +1,316 @@
+"""Rank 0's per-request draft state: committed tokens, the slot's KV tokens, proposals, draft-ahead
+and branches, over one shared DraftRunner.
+
+Branches (greedy drafting): while the target verifies a proposal d_1..d_k, the draft drafts the next
+proposal for each likely outcome of that verification: for every accepted length j < k the target's
+token is guessed as the draft's second choice at position j + 1, and for j = k as its own next token.
+Each branch is one row of a batched round. Its KV up to the branch point stays in the request's own
+slot and is read from there (attention's prefix slot); its new KV goes to a branch slot, and is copied
+into the request's slot only for the branch that the verdict picks. The branches travel to the target,
+which can then start its next step without waiting for the draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.kv_cache import SlotTable
+from draft_service.runner import DraftRunner, RoundOutput
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    topk_ids: list[int] = field(default_factory=list)
+    topk_probs: list[float] = field(default_factory=list)
+    ahead_hit: bool = False
+    seconds: list[int] = field(default_factory=list)  # the draft's second choice at each position
+
+
+@dataclass
+class Branch:
+    """The next proposal for one outcome of verifying the current one (see the module docstring)."""
+
+    key: list[int]  # the tokens the verdict appends to the committed sequence for this branch to apply
+    proposal: Proposal
+    slot: int  # branch KV slot
+    split: int  # positions < split: the request's own slot; from split on: this slot
+    kv: list[int]  # tokens whose KV this slot holds from `split` on
+
+
+@dataclass
+class DraftRequest:
+    """Rank-0 view of one request on one target stream."""
+
+    request_id: int
+    slot: int
+    committed: list[int]  # target-vocab ids the target has committed
+    kv_tokens: list[int]  # tokens whose KV the slot holds, in order
+    k: int  # the most tokens this request drafts per round
+    temperature: float
+    seed: int
+    round_k: int = 0  # tokens asked in the current round (the target's step k, at most k)
+    ready: Proposal | None = None  # a proposal computed before it was asked for
+    ahead_expect: list[int] | None = None  # committed sequence under which `ahead` is valid
+    ahead: Proposal | None = None
+    branch_base: int = 0  # committed length the branches extend
+    branches: list[Branch] = field(default_factory=list)
+
+
+def common_prefix(a: list[int], b: list[int], known: int = 0) -> int:
+    """Length of the common prefix of a and b, given that their first `known` items agree."""
+    n = min(len(a), len(b))
+    for i in range(known, n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftState:
+    """Rank 0's bookkeeping for all requests of all streams over one shared runner."""
+
+    def __init__(self, runner: DraftRunner, slots: SlotTable):
+        self.runner = runner
+        self.slots = slots
+        self.branch_slots = SlotTable(getattr(runner, "num_branch_slots", 0))
+        self.branch_slot_offset = getattr(runner, "branch_slot_offset", 0)
+        self._copies: list[tuple[int, int, int, int]] = []  # (branch slot, request slot, start, length)
+        self.ahead_hits = 0
+        # Draft-ahead pays off only when whole rounds plus the bonus guess are right; on shared hardware a
+        # miss costs the target time. Track the recent hit rate and pause below the threshold.
+        self.ahead_hit_rate = 1.0
+        self.rounds_without_ahead = 0
+        self.ahead_misses = 0
+        self.draft_tokens = 0
+        self.round_ran = False  # whether the last propose() ran the model (not only ready proposals)
+
+    def start(
+        self, request_id: int, tokens: list[int], k: int, temperature: float, seed: int
+    ) -> DraftRequest:
+        slot = self.slots.alloc()
+        return DraftRequest(request_id, slot, list(tokens), [], k, temperature, seed)
+
+    def release(self, req: DraftRequest) -> None:
+        self._drop_branches(req)
+        self.slots.free(req.slot)
+
+    @property
+    def branching(self) -> bool:
+        return self.branch_slots.num_slots > 0
+
+    def _drop_branches(self, req: DraftRequest) -> None:
+        for slot in {b.slot for b in req.branches}:  # the plain-step branch shares the all-accepted one's
+            self.branch_slots.free(slot - self.branch_slot_offset)
+        req.branches = []
+
+    def _pick_branch(self, req: DraftRequest, start: int) -> bool | None:
+        """After a verdict: the branch whose key the committed sequence now ends with becomes the ready
+        proposal and its KV is queued for copying into the request's slot. None: there were no branches."""
+        if not req.branches:
+            return None
+        base = req.branch_base
+        appended = req.committed[base:] if start >= base else None
+        branch = next((b for b in req.branches if b.key == appended), None)
+        if branch is not None:
+            self._copies.append((branch.slot, req.slot, branch.split, len(branch.kv)))
+            del req.kv_tokens[branch.split :]
+            req.kv_tokens.extend(branch.kv)
+            req.ready = branch.proposal
+            req.ready.ahead_hit = True
+        self._drop_branches(req)  # slots are free for reuse: copies run before any later round
+        return branch is not None
+
+    def apply_verdict(self, req: DraftRequest, start: int, tokens: list[int]) -> bool | None:
+        """Commit the target's tokens; returns whether a draft-ahead guess hit (None: none was made)."""
+        # The KV tokens always extend an older committed sequence, so they agree with it up to `start`:
+        # only the few tokens after it are compared (no walk over the whole context every step).
+        agreed = min(start, len(req.kv_tokens))
+        del req.committed[start:]
+        req.committed.extend(tokens)
+        req.ready = None  # drafted for an older context (e.g. a step that asked this request for nothing)
+        hit = self._pick_branch(req, start)
+        if hit is not None:
+            self.ahead_hits += hit
+            self.ahead_misses += not hit
+            self.ahead_hit_rate = 0.9 * self.ahead_hit_rate + 0.1 * float(hit)
+            if hit:  # the slot holds the committed sequence and the ready proposal's first tokens
+                return hit
+        if req.ahead is not None:
+            hit = req.ahead_expect == req.committed
+            if hit:
+                req.ready = req.ahead
+                req.ready.ahead_hit = True
+                self.ahead_hits += 1
+            else:
+                self.ahead_misses += 1
+            self.ahead_hit_rate = 0.9 * self.ahead_hit_rate + 0.1 * float(hit)
+        req.ahead, req.ahead_expect = None, None
+        # Keep the KV that still matches; at least one committed token stays pending so
+        # the next round has a hidden state to draft from.
+        valid = min(common_prefix(req.kv_tokens, req.committed, agreed), len(req.committed) - 1)
+        del req.kv_tokens[valid:]
+        return hit
+
+    def fits(self, req: DraftRequest, extra: int) -> bool:
+        return len(req.committed) + extra <= self.runner.max_len
+
+    def _run(self, reqs: list[DraftRequest], rows: list[list[int]], k: int) -> RoundOutput:
+        return self._round(rows, [len(r.kv_tokens) for r in reqs], [r.slot for r in reqs], k, reqs)
+
+    def _round(self, rows, starts, slots, k, reqs, prefix_slots=(), prefix_len=()) -> RoundOutput:
+        executor = self.runner.executor
+        if self._copies:  # picked branches' KV first: the round may read it, and reuses branch slots
+            src, dst, first, n = (list(c) for c in zip(*self._copies))
+            self._copies = []
+            executor.run("copy_kv", src_slots=src, dst_slots=dst, starts=first, lengths=n)
+        return executor.run(
+            "draft_round",
+            rows=rows,
+            starts=list(starts),
+            slots=list(slots),
+            k=k,
+            temperatures=[r.temperature for r in reqs],
+            seeds=[r.seed for r in reqs],
+            prefix_slots=list(prefix_slots),
+            prefix_len=list(prefix_len),
+        )
+
+    def propose(self, reqs: list[DraftRequest], ks: list[int] | None = None) -> dict[int, Proposal]:
+        """Proposals for `reqs`: min(ks[i], r.k) tokens each (r.k where ks[i] is 0 or missing); a ready
+        draft-ahead proposal is used when it is long enough (cut to the asked length)."""
+        out: dict[int, Proposal] = {}
+        todo = []
+        K = self.runner.config.sampled_top_k
+        for i, req in enumerate(reqs):
+            asked = ks[i] if ks is not None and i < len(ks) else 0
+            req.round_k = min(asked, req.k) if asked else req.k
+            ready = req.ready
+            req.ready = None
+            if ready is not None and len(ready.tokens) >= req.round_k > 0:
+                n = req.round_k
+                ids, probs = ready.topk_ids[: n * K], ready.topk_probs[: n * K]
+                hit, seconds = ready.ahead_hit, ready.seconds[:n]
+                out[req.request_id] = Proposal(ready.tokens[:n], ids, probs, hit, seconds)
+            elif req.round_k > 0 and self.fits(req, 2 * req.round_k + 2):
+                # A picked branch left KV past the committed tokens: keep one committed token pending.
+                valid = min(common_prefix(req.kv_tokens, req.committed), len(req.committed) - 1)
+                del req.kv_tokens[valid:]
+                todo.append(req)
+            else:
+                out[req.request_id] = Proposal([])
+        self.round_ran = bool(todo)
+        if todo:
+            k = max(r.round_k for r in todo)
+            result = self._run(todo, [r.committed[len(r.kv_tokens) :] for r in todo], k)
+            for b, req in enumerate(todo):
+                n = req.round_k
+                tokens = result.tokens[b][:n]
+                ids = result.topk_ids[b][: n * K] if result.topk_ids else []
+                probs = result.topk_probs[b][: n * K] if result.topk_probs else []
+                seconds = result.seconds[b][:n] if result.seconds else []
+                req.kv_tokens = req.committed + result.tokens[b][: k - 1]
+                out[req.request_id] = Proposal(tokens, ids, probs, seconds=seconds)
+        self.draft_tokens += sum(len(p.tokens) for p in out.values())
+        return out
+
+    AHEAD_PROBE_EVERY = 16
+
+    def ahead_worthwhile(self, min_hit_rate: float, rows: int = 1) -> bool:
+        """Draft ahead for `rows` requests while the chance that all of their guesses hit (the recent
+        per-request hit rate to the power `rows`) is at least `min_hit_rate`; otherwise only every 16th
+        round, to notice when it would pay again. All of them, because the next ask spares a round only
+        when no request in it needs one: a round for 11 of 16 rows costs what a round for 16 does (the
+        draft's forwards are memory-bound), so partial hits save nothing, while the ahead round itself
+        takes draft time and, on a shared GPU, the target's."""
+        if self.ahead_hit_rate**rows >= min_hit_rate or self.rounds_without_ahead >= self.AHEAD_PROBE_EVERY:
+            self.rounds_without_ahead = 0
+            return True
+        self.rounds_without_ahead += 1
+        return False
+
+    def draft_ahead(self, reqs: list[DraftRequest], proposals: dict[int, Proposal]) -> None:
+        """Assume every proposal is accepted plus the draft's own bonus guess; draft the next round."""
+        todo = []
+        for req in reqs:
+            prop = proposals.get(req.request_id)
+            if prop is None or not prop.tokens or len(prop.tokens) != req.round_k:
+                continue
+            if req.kv_tokens != req.committed + prop.tokens[:-1] or not self.fits(req, 3 * req.round_k + 4):
+                continue
+            todo.append(req)
+        if not todo:
+            return
+        k = max(r.round_k for r in todo) + 1
+        result = self._run(todo, [[proposals[r.request_id].tokens[-1]] for r in todo], k)
+        K = self.runner.config.sampled_top_k
+        for b, req in enumerate(todo):
+            prop = proposals[req.request_id]
+            guess, *nxt = result.tokens[b][: req.round_k + 1]
+            req.kv_tokens = [*req.kv_tokens, prop.tokens[-1], *result.tokens[b][: k - 1]]
+            req.ahead_expect = req.committed + prop.tokens + [guess]
+            ids = result.topk_ids[b][K : (req.round_k + 1) * K] if result.topk_ids else []
+            probs = result.topk_probs[b][K : (req.round_k + 1) * K] if result.topk_probs else []
+            req.ahead = Proposal(nxt, ids, probs)
+
+    def draft_branches(
+        self, reqs: list[DraftRequest], proposals: dict[int, Proposal]
+    ) -> dict[int, tuple[int, list[Branch]]]:
+        """While the target verifies `proposals`, draft the next proposal for each likely outcome: for
+        each accepted length j < k the target's token guessed as the draft's second choice at position
+        j + 1, and for j = k the draft's own next token. One batched round; returns each request's
+        (committed length, branches) by request id. One more branch costs no row: a step that verified
+        no draft for the request (the target did not wait for this proposal) and emitted its first token:
+        its proposal is the rest of this one and the all-accepted row's guess (the KV it lacks, of the
+        last proposed token, is in that row's slot)."""
+        rows, starts, slots, prefix_slots, prefix_len, owners = [], [], [], [], [], []
+        # All or none: the target goes on without waiting only when most of its requests have their
+        # branch; a branch round for a few of many requests costs a round and spares the target nothing.
+        needed = sum(len(p.tokens) + 1 for r in reqs if (p := proposals.get(r.request_id)) and p.tokens)
+        if needed > self.branch_slots.num_free + sum(len({b.slot for b in r.branches}) for r in reqs):
+            return {}
+        for req in reqs:
+            prop = proposals.get(req.request_id)
+            if prop is None or not prop.tokens or len(prop.seconds) < len(prop.tokens):
+                continue
+            v, n = prop.tokens, len(prop.tokens)
+            base = len(req.committed)
+            # The request's slot must hold the committed tokens and all but the last proposed one.
+            if req.kv_tokens[base - 1 : base + n - 1] != req.committed[-1:] + v[:-1]:
+                continue
+            if not self.fits(req, 3 * req.k + 4) or self.branch_slots.num_free < n + 1:
+                continue
+            self._drop_branches(req)
+            req.branch_base = base
+            for j in range(n + 1):
+                slot = self.branch_slots.alloc() + self.branch_slot_offset
+                # j < n: the target rejects v[j] and emits the draft's second choice there; j = n: it
+                # accepts all and emits a token the round's first output guesses (fed: v[n - 1]).
+                feed = prop.seconds[j] if j < n else v[-1]
+                split = base + j if j < n else base + n - 1
+                rows.append([feed])
+                starts.append(split)
+                slots.append(slot)
+                prefix_slots.append(req.slot)
+                prefix_len.append(split)
+                owners.append((req, [*v[:j], feed] if j < n else None))
+        if not rows:
+            return {}
+        k = max(r.k for r, _ in owners) + 1
+        result = self._round(rows, starts, slots, k, [r for r, _ in owners], prefix_slots, prefix_len)
+        out: dict[int, tuple[int, list[Branch]]] = {}
+        for b, (req, key) in enumerate(owners):
+            tokens, seconds = result.tokens[b], result.seconds[b] if result.seconds else []
+            kv = rows[b] + tokens[: k - 1]
+            if key is None:  # all accepted: the first drafted token is the guess, the rest the proposal
+                prop = proposals[req.request_id]
+                key = prop.tokens + tokens[:1]
+                plain = Proposal(
+                    (prop.tokens[1:] + tokens[:1])[: req.k], seconds=(prop.seconds[1:] + seconds[:1])[: req.k]
+                )
+                req.branches.append(Branch(prop.tokens[:1], plain, slots[b], starts[b], rows[b]))
+                out.setdefault(req.request_id, (req.branch_base, []))[1].append(req.branches[-1])
+                tokens, seconds = tokens[1:], seconds[1:]
+            branch = Branch(key, Proposal(tokens[: req.k], seconds=seconds[: req.k]), slots[b], starts[b], kv)
+            req.branches.append(branch)
+            out.setdefault(req.request_id, (req.branch_base, []))[1].append(branch)
+        return out
