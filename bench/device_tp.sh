@@ -27,9 +27,14 @@ for flags in "" "--markov-head-mode sharded" "--no-use-local-argmax-reduction" \
   [ "$i" -lt "${FROM_MODE:-1}" ] || [ "$i" -gt "${TO_MODE:-5}" ] && continue
   modes=(plain fixed); [ $i = 1 ] && modes=(plain fixed adaptive)  # plain beside each mode: interleaved repeats
   python3 bench/bench_e2e.py "${common[@]}" --modes "${modes[@]}" --draft-args="$flags" --logs "/tmp/tp-logs-$i" \
-    --out "$OUT/$tag-mode$i.json" | grep -v '^{' | tail -4
+    --target-log-level DEBUG --out "$OUT/$tag-mode$i.json" | grep -v '^{' | tail -4
+  # The adaptive target's cost table (whole steps per bucket and k, beside their parts): why it picks its k.
+  grep -h "policy costs\|mean ms per step" /tmp/tp-logs-$i/target-adaptive-*.log 2>/dev/null | tail -n 12 \
+    > "$OUT/$tag-mode$i-policy.txt" || true
 done
 # The same draft without a Markov head (local argmax): the head's cost at TP=2.
 [ "${TO_MODE:-5}" -lt 5 ] && exit 0
-python3 bench/bench_e2e.py "${common[@]}" --draft-markov-rank 0 --modes plain fixed --logs /tmp/tp-logs-5 \
-  --out "$OUT/$tag-mode5-nomarkov.json" | grep -v '^{' | tail -4
+python3 bench/bench_e2e.py "${common[@]}" --draft-markov-rank 0 --modes plain fixed adaptive --logs /tmp/tp-logs-5 \
+  --target-log-level DEBUG --out "$OUT/$tag-mode5-nomarkov.json" | grep -v '^{' | tail -4
+grep -h "policy costs\|mean ms per step" /tmp/tp-logs-5/target-adaptive-*.log 2>/dev/null | tail -n 12 \
+  > "$OUT/$tag-mode5-policy.txt" || true
