@@ -33,6 +33,7 @@ class InstantRunner:
     def __init__(self, config: DraftConfig, delay: float):
         self.config, self.delay, self.max_len = config, delay, 1 << 20
         self.executor = self
+        self.num_branch_slots = self.branch_slot_offset = 0  # no branches: its rounds draft no second choice
 
     def run(self, op: str, rows, starts, slots, k, temperatures, seeds, **_prefix) -> RoundOutput:
         if self.delay:

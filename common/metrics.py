@@ -180,8 +180,8 @@ class ServiceMetrics:
         )
         self.pipelined_steps = counter(
             "spec_pipelined_steps_total",
-            "Target steps verified on the draft's branches (its verdict picked one for every request) "
-            "without waiting for the draft's answer.",
+            "Target steps verified on the draft's branches without waiting for its answer (the verdict "
+            "picked one for every request, or for at least half when going on beat waiting).",
         )
         self.fallback_steps = counter(
             "spec_fallback_steps_total", "Target steps run as plain decoding (k=0) because the draft failed."

@@ -25,6 +25,7 @@ from common.distributed import Comm, add_comm_stats
 from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
 from common.kv_cache import KVCache
+from common.layers.logits import second_choice
 from common.loader import load_model
 from common.tp_executor import TPExecutor, rank_device
 from draft_service.config import DraftConfig
@@ -88,9 +89,7 @@ class DraftRunner:
             return self.model.get_top_tokens(hidden, prev), None
         logits = self.model.compute_logits(hidden, prev)
         best = logits.argmax(dim=-1)
-        if not self.top2:
-            return best, None
-        return best, logits.scatter(-1, best[:, None], float("-inf")).argmax(dim=-1)
+        return best, second_choice(logits, best)[0] if self.top2 else None
 
     @torch.inference_mode()
     def copy_kv(

@@ -139,13 +139,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         with self.engine_lock:
             t0 = time.perf_counter()
             if not branching:
-                self.state.draft_ahead(*proposed)
-                self.metrics.draft_ahead_step.observe(time.perf_counter() - t0)
+                if self.state.draft_ahead(*proposed):
+                    self.metrics.draft_ahead_step.observe(time.perf_counter() - t0)
                 return None
             branches = self.state.draft_branches(*proposed)
+            if not branches:  # none fitted: no round ran, nothing to time or send
+                return None
             self.metrics.draft_ahead_step.observe(time.perf_counter() - t0)
-        if not branches:
-            return None
         response = draft_pb2.SpeculateResponse(step=step, branches=True)
         for rid, (base, items) in branches.items():
             response.proposals.append(

@@ -72,8 +72,8 @@ class DraftState:
     def __init__(self, runner: DraftRunner, slots: SlotTable):
         self.runner = runner
         self.slots = slots
-        self.branch_slots = SlotTable(getattr(runner, "num_branch_slots", 0))
-        self.branch_slot_offset = getattr(runner, "branch_slot_offset", 0)
+        self.branch_slots = SlotTable(runner.num_branch_slots)
+        self.branch_slot_offset = runner.branch_slot_offset
         self._copies: list[tuple[int, int, int, int]] = []  # (branch slot, request slot, start, length)
         self.ahead_hits = 0
         # Draft-ahead pays off only when whole rounds plus the bonus guess are right; on shared hardware a
@@ -129,27 +129,34 @@ class DraftState:
         req.committed.extend(tokens)
         req.ready = None  # drafted for an older context (e.g. a step that asked this request for nothing)
         hit = self._pick_branch(req, start)
-        if hit is not None:
-            self.ahead_hits += hit
-            self.ahead_misses += not hit
-            self.ahead_hit_rate = 0.9 * self.ahead_hit_rate + 0.1 * float(hit)
-            if hit:  # the slot holds the committed sequence and the ready proposal's first tokens
-                return hit
+        if hit:  # the slot holds the committed sequence and the ready proposal's first tokens
+            self._count_ahead(hit)
+            return hit
         if req.ahead is not None:
             hit = req.ahead_expect == req.committed
             if hit:
                 req.ready = req.ahead
                 req.ready.ahead_hit = True
-                self.ahead_hits += 1
-            else:
-                self.ahead_misses += 1
-            self.ahead_hit_rate = 0.9 * self.ahead_hit_rate + 0.1 * float(hit)
+        if hit is not None:
+            self._count_ahead(hit)
         req.ahead, req.ahead_expect = None, None
         # Keep the KV that still matches; at least one committed token stays pending so
         # the next round has a hidden state to draft from.
         valid = min(common_prefix(req.kv_tokens, req.committed, agreed), len(req.committed) - 1)
         del req.kv_tokens[valid:]
         return hit
+
+    def _count_ahead(self, hit: bool) -> None:
+        self.ahead_hits += hit
+        self.ahead_misses += not hit
+        self.ahead_hit_rate = 0.9 * self.ahead_hit_rate + 0.1 * float(hit)
+
+    @staticmethod
+    def _holds(req: DraftRequest, tokens: list[int]) -> bool:
+        """Whether the request's slot holds its committed tokens and all but the last of `tokens`. Its KV
+        tokens agree with the committed ones wherever both exist, so only the tail is compared."""
+        base = len(req.committed)
+        return req.kv_tokens[base - 1 : base + len(tokens) - 1] == req.committed[-1:] + tokens[:-1]
 
     def fits(self, req: DraftRequest, extra: int) -> bool:
         return len(req.committed) + extra <= self.runner.max_len
@@ -192,9 +199,10 @@ class DraftState:
                 hit, seconds = ready.ahead_hit, ready.seconds[:n]
                 out[req.request_id] = Proposal(ready.tokens[:n], ids, probs, hit, seconds)
             elif req.round_k > 0 and self.fits(req, 2 * req.round_k + 2):
-                # A picked branch left KV past the committed tokens: keep one committed token pending.
-                valid = min(common_prefix(req.kv_tokens, req.committed), len(req.committed) - 1)
-                del req.kv_tokens[valid:]
+                # A picked branch left KV past the committed tokens (which it holds): keep one committed
+                # token pending. Otherwise the verdict already cut the KV tokens to a committed prefix.
+                if len(req.kv_tokens) >= len(req.committed):
+                    del req.kv_tokens[len(req.committed) - 1 :]
                 todo.append(req)
             else:
                 out[req.request_id] = Proposal([])
@@ -208,7 +216,8 @@ class DraftState:
                 ids = result.topk_ids[b][: n * K] if result.topk_ids else []
                 probs = result.topk_probs[b][: n * K] if result.topk_probs else []
                 seconds = result.seconds[b][:n] if result.seconds else []
-                req.kv_tokens = req.committed + result.tokens[b][: k - 1]
+                req.kv_tokens += req.committed[len(req.kv_tokens) :]  # no copy of the whole context
+                req.kv_tokens += result.tokens[b][: k - 1]
                 out[req.request_id] = Proposal(tokens, ids, probs, seconds=seconds)
         self.draft_tokens += sum(len(p.tokens) for p in out.values())
         return out
@@ -228,18 +237,20 @@ class DraftState:
         self.rounds_without_ahead += 1
         return False
 
-    def draft_ahead(self, reqs: list[DraftRequest], proposals: dict[int, Proposal]) -> None:
-        """Assume every proposal is accepted plus the draft's own bonus guess; draft the next round."""
+    def draft_ahead(self, reqs: list[DraftRequest], proposals: dict[int, Proposal]) -> bool:
+        """Assume every proposal is accepted plus the draft's own bonus guess; draft the next round.
+        Returns whether a round ran."""
         todo = []
         for req in reqs:
             prop = proposals.get(req.request_id)
             if prop is None or not prop.tokens or len(prop.tokens) != req.round_k:
                 continue
-            if req.kv_tokens != req.committed + prop.tokens[:-1] or not self.fits(req, 3 * req.round_k + 4):
+            exact = len(req.kv_tokens) == len(req.committed) + len(prop.tokens) - 1
+            if not (exact and self._holds(req, prop.tokens)) or not self.fits(req, 3 * req.round_k + 4):
                 continue
             todo.append(req)
         if not todo:
-            return
+            return False
         k = max(r.round_k for r in todo) + 1
         result = self._run(todo, [[proposals[r.request_id].tokens[-1]] for r in todo], k)
         K = self.runner.config.sampled_top_k
@@ -251,6 +262,7 @@ class DraftState:
             ids = result.topk_ids[b][K : (req.round_k + 1) * K] if result.topk_ids else []
             probs = result.topk_probs[b][K : (req.round_k + 1) * K] if result.topk_probs else []
             req.ahead = Proposal(nxt, ids, probs)
+        return True
 
     def draft_branches(
         self, reqs: list[DraftRequest], proposals: dict[int, Proposal]
@@ -274,8 +286,7 @@ class DraftState:
                 continue
             v, n = prop.tokens, len(prop.tokens)
             base = len(req.committed)
-            # The request's slot must hold the committed tokens and all but the last proposed one.
-            if req.kv_tokens[base - 1 : base + n - 1] != req.committed[-1:] + v[:-1]:
+            if not self._holds(req, v):
                 continue
             if not self.fits(req, 3 * req.k + 4) or self.branch_slots.num_free < n + 1:
                 continue

@@ -25,6 +25,9 @@ log = logging.getLogger("specsplit.target")
 
 _STREAM_END = object()
 
+# Given each branches message met while waiting for an answer; True: the caller needs no answer.
+OnBranches = Callable[[draft_pb2.SpeculateResponse], bool]
+
 
 class DraftLink:
     def __init__(
@@ -153,11 +156,7 @@ class DraftLink:
         return True
 
     def receive(
-        self,
-        step: int,
-        epoch: int,
-        deadline: float,
-        on_branches: Callable[[draft_pb2.SpeculateResponse], bool] | None = None,
+        self, step: int, epoch: int, deadline: float, on_branches: OnBranches | None = None
     ) -> draft_pb2.SpeculateResponse | None:
         """The answer to `step`, or None (stream ended, epoch changed, deadline passed, or `on_branches`,
         given each branches message met on the way, returned True: the caller needs no answer). Answers to

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from common.metrics import ServiceMetrics
 from specsplit.v1 import draft_pb2
-from target_service.draft_link import DraftLink
+from target_service.draft_link import DraftLink, OnBranches
 
 log = logging.getLogger("specsplit.target")
 Part = draft_pb2.SpeculateRequest  # one replica's share of a step's message
@@ -186,11 +186,7 @@ class DraftPool:
         return True
 
     def receive(
-        self,
-        step: int,
-        epoch: int,
-        deadline: float,
-        on_branches: Callable[[draft_pb2.SpeculateResponse], bool] | None = None,
+        self, step: int, epoch: int, deadline: float, on_branches: OnBranches | None = None
     ) -> draft_pb2.SpeculateResponse | None:
         """The merged answers to `step` (None: no replica answered and none lost a request).
 

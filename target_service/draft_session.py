@@ -45,6 +45,16 @@ class Proposal:
     topk_width: int = 0
 
 
+def checked_tokens(request_id: int, tokens, k: int, vocab_size: int) -> list[int]:
+    """The first k drafted tokens, or none when one of them is outside the target's vocabulary (it would
+    index past the embedding table)."""
+    out = list(tokens[:k])
+    if out and max(out) >= vocab_size:
+        log.warning("dropping a draft proposal for request %d: token outside the vocabulary", request_id)
+        return []
+    return out
+
+
 def checked_proposal(p: draft_pb2.Proposal | None, k: int, vocab_size: int) -> Proposal:
     """A proposal's first k tokens and its sparse q; empty when it is malformed.
 
@@ -52,11 +62,10 @@ def checked_proposal(p: draft_pb2.Proposal | None, k: int, vocab_size: int) -> P
     probabilities are not a distribution, is dropped (the request decodes plainly this step) instead
     of failing the batch or biasing the output.
     """
-    if p is None or not p.token_ids or k == 0:
+    if p is None:
         return Proposal([])
-    tokens = list(p.token_ids[:k])
-    if max(tokens) >= vocab_size:  # would index past the embedding table
-        log.warning("dropping a draft proposal for request %d: token outside the vocabulary", p.request_id)
+    tokens = checked_tokens(p.request_id, p.token_ids, k, vocab_size)
+    if not tokens:
         return Proposal([])
     if not p.top_k:
         return Proposal(tokens)
@@ -238,24 +247,24 @@ class DraftSession:
         """Asked requests' proposals from the branches: all of them, or those that have one when going on
         without the others beats waiting for the answer (and they are at least half); None: wait."""
         assert self.link is not None
-        by_id = {r.draft.draft_id: r for r in batch}
         out: dict[int, Proposal] = {}
-        for rid, k in ask.ks.items():
-            req, entry = by_id.get(rid), self.candidates.get(rid)
-            if req is None or entry is None or len(req.tokens) <= entry[0]:
+        pinned = False  # a seeded sampled request always verifies its own k drafts: never left out
+        for req in batch:
+            rid = req.draft.draft_id
+            k, entry = ask.ks.get(rid), self.candidates.get(rid)
+            if k is None:
                 continue
-            tokens = entry[1].get(tuple(req.tokens[entry[0] :]))
+            tokens = None
+            if entry is not None and len(req.tokens) > entry[0]:
+                tokens = entry[1].get(tuple(req.tokens[entry[0] :]))
+            tokens = checked_tokens(rid, tokens, k, self.link.target_vocab_size) if tokens else None
             if tokens:
-                proposal = checked_proposal(draft_pb2.Proposal(request_id=rid, token_ids=tokens), k,
-                                            self.link.target_vocab_size)  # fmt: skip
-                if proposal.tokens:
-                    out[rid] = proposal
+                out[rid] = Proposal(tokens)
+            else:
+                pinned = pinned or req.pinned_k
         missed = len(ask.ks) - len(out)
         if not out:
             return None
-        # A seeded sampled request always verifies its own k drafts (its output depends on its seed
-        # alone): it is never left out.
-        pinned = any(by_id[rid].pinned_k for rid in ask.ks if rid not in out and rid in by_id)
         if len(out) < missed or (missed and (pinned or not self._go_on(len(out), missed, ask))):
             return None
         self.metrics.pipelined_steps.inc()

@@ -190,8 +190,6 @@ class Scheduler:
         self.verify_backend = runner.verify_backend
         self.streamer = Streamer(metrics, self._delivered)
         self.phase_seconds = dict.fromkeys(("plan", "propose", "verify", "commit"), 0.0)
-        self._last_verify = 0.0
-        self._emitted = 0
         self.steps = 0
         # Labelled series exist from the start, so rate() sees their first increase.
         for pos in range(config.max_speculative_tokens):
@@ -324,11 +322,11 @@ class Scheduler:
         result = self.runner.step(rows, width)  # verify
         add_pending_logprobs(batch, result.logits, width, result.tokens)
         t3 = time.perf_counter()
-        self._last_verify = t3 - t2
-        self._emitted = sum(len(out) for out in result.tokens)
-        self._commit(batch, drafts, result.tokens, result.accepted)
+        drafted_rows, accepted = self._commit(batch, drafts, result.tokens, result.accepted)
         t4 = time.perf_counter()
-        self._account(batch, width, result.gpu_seconds, t0, t1, t2, t3, t4)
+        self.session.note_step(drafted_rows, accepted, t3 - t2)
+        emitted = sum(len(out) for out in result.tokens)
+        self._account(batch, width, result.gpu_seconds, emitted, t0, t1, t2, t3, t4)
 
     def _ask(self, batch: list[Request], subset: list[Request] | None = None) -> None:
         """Ask the draft for the policy's k (chosen for the whole batch) for `subset` (default: all)."""
@@ -363,8 +361,9 @@ class Scheduler:
 
     def _commit(
         self, batch: list[Request], drafts: list[list[int]], tokens: list[list[int]], accepted: list[int]
-    ) -> None:
-        """Stop checks on token ids, the next ask to the draft (before any streaming), then streaming."""
+    ) -> tuple[int, int]:
+        """Stop checks on token ids, the next ask to the draft (before any streaming), then streaming.
+        Returns (requests that verified drafts, drafts accepted)."""
         finished: list[tuple[Request, int]] = []
         new_tokens: list[list[int]] = []
         # Counters summed over the batch, then one inc each: a labelled inc costs microseconds of GIL
@@ -390,7 +389,6 @@ class Scheduler:
         done = {id(r) for r, _ in finished}
         self._ask([r for r in batch if id(r) not in done and not r.cancelled])
         self.streamer.tokens([(req, new) for req, new in zip(batch, new_tokens) if new], time.perf_counter())
-        self.session.note_step(num_drafts, num_accepted, self._last_verify)
         if num_drafts:
             self.metrics.drafts.inc(num_drafts)
             self.metrics.draft_tokens.inc(num_drafted)
@@ -401,13 +399,14 @@ class Scheduler:
                 reaching -= at_position[pos]
         for req, finish in finished:
             self._finish(req, finish)
+        return num_drafts, num_accepted
 
-    def _account(self, batch, width: int, gpu: float, *marks: float) -> None:
+    def _account(self, batch, width: int, gpu: float, emitted: int, *marks: float) -> None:
         t0, t1, t2, t3, t4 = marks
         if self.learn_costs:
             self._learn_costs(len(batch), width, t4 - t0, t3 - t2)
         if self.branch_gate is not None:
-            self.branch_gate.observe(len(batch), self._emitted, t4 - t0)
+            self.branch_gate.observe(len(batch), emitted, t4 - t0)
         self.metrics.verify_step.observe(t3 - t2)
         if gpu:
             self.metrics.step_gpu.observe(gpu)

@@ -96,6 +96,7 @@ def test_bad_flags_and_env_name_the_flag(monkeypatch, capsys):
 
 class _NoRunner:
     max_len = 1000
+    num_branch_slots = branch_slot_offset = 0  # no branches
 
 
 def test_verdicts_roll_the_draft_kv_back_to_the_common_prefix():

@@ -64,6 +64,14 @@ def top_tokens(scores: Tensor, head: VocabParallelEmbedding, site: str = "lm_hea
     return gathered[best_rank, rows, 1].long()
 
 
+def second_choice(scores: Tensor, best: Tensor) -> tuple[Tensor, Tensor]:
+    """scores [N, V], best [N] -> (the runner-up index [N], the scores with `best` masked out). A masked
+    copy and a second argmax: cheaper than torch.topk(2) on the H200 (bench/branch_round.py: 1.88
+    against 2.73 ms of kernels for a branch round of 80 rows)."""
+    rest = scores.scatter(-1, best.unsqueeze(-1), float("-inf"))
+    return rest.argmax(-1), rest
+
+
 def top2_tokens(
     scores: Tensor, head: VocabParallelEmbedding, site: str = "lm_head_argmax"
 ) -> tuple[Tensor, Tensor]:
@@ -74,10 +82,7 @@ def top2_tokens(
         scores = scores.clone()
         scores[:, head.shard_valid :] = float("-inf")
     best = scores.argmax(-1)
-    # A masked copy and a second argmax: cheaper than torch.topk(2) on the H200 (bench/branch_round.py:
-    # 1.88 against 2.73 ms of kernels for a branch round of 80 rows).
-    rest = scores.scatter(-1, best.unsqueeze(-1), float("-inf"))
-    second = rest.argmax(-1)
+    second, rest = second_choice(scores, best)
     if head.tp_size == 1:
         return best, second
     pairs = torch.stack(
