@@ -8,8 +8,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.distributed import Comm
-from common.kernels import fused, small_linear
-from common.layers.norm import RMSNorm
 from common.layers.shard import MergedPart, ShardSpec, divide, set_merged_shards, set_shard
 
 
@@ -53,16 +51,8 @@ class RowParallelLinear(nn.Module):
         )
         set_shard(self.weight, (out_features, in_features), dim=1, start=comm.rank * per_rank)
 
-    def forward(self, x: Tensor, gated: bool = False) -> Tensor:
-        """gated: x is [gate | up] (a gate_up_proj's output) and the input is silu(gate) * up, computed
-        inside the GEMM for few rows on the GPU."""
-        if small_linear.use_small_m(x, self.weight):
-            y = small_linear.silu_linear(x, self.weight) if gated else small_linear.linear(x, self.weight)
-        else:
-            if gated:
-                x = fused.silu_and_mul(x) if fused.on_gpu(x) else fused.silu_and_mul_reference(x)
-            y = F.linear(x, self.weight)
-        return self.comm.all_reduce(y, self.site)
+    def forward(self, x: Tensor) -> Tensor:
+        return self.comm.all_reduce(F.linear(x, self.weight), self.site)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -108,14 +98,6 @@ class MergedColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
-
-    def forward_normed(self, norm: RMSNorm, x: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
-        """This linear of norm(x + residual) (residual None: of norm(x)) -> (output, x + residual), the
-        residual stream the next block adds to. One kernel for few rows on the GPU."""
-        if small_linear.use_small_m(x, self.weight):
-            return small_linear.norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        h, residual = norm(x, residual) if residual is not None else (norm(x), x)
-        return self(h), residual
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

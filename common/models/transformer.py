@@ -9,9 +9,7 @@ request from that request's slot instead: `Transformer.forward`'s prefix). No ho
 per (B, L, ctx_len).
 
 On the GPU a layer is: add+RMSNorm, qkv GEMM, rotary+KV write, attention, o_proj, add+RMSNorm, gate_up
-GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py); for few rows (decode, verify) each norm and the
-SiLU-and-mul run inside the GEMM after them (common/kernels/small_linear.py): 6 kernels. On the CPU the
-torch references of the same.
+GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py); on the CPU the torch references of the same.
 """
 
 from __future__ import annotations
@@ -61,8 +59,6 @@ class Attention(nn.Module):
     def forward(
         self,
         x: Tensor,
-        residual: Tensor | None,
-        norm: RMSNorm,
         rope: tuple[Tensor, Tensor],
         slots: Tensor,
         positions: Tensor,
@@ -70,12 +66,10 @@ class Attention(nn.Module):
         v_cache: Tensor,
         ctx_len: int,
         prefix: tuple[Tensor, Tensor] | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """(x, residual) -> (o_proj output, x + residual): norm(x + residual) is this block's input."""
+    ) -> Tensor:
         bsz, seq, _ = x.shape
         hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        qkv, residual = self.qkv_proj.forward_normed(norm, x, residual)
-        qkv = qkv.view(bsz, seq, nh + 2 * nkv, hd)
+        qkv = self.qkv_proj(x).view(bsz, seq, nh + 2 * nkv, hd)
         q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # views: the fused kernel reads them in place
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -91,7 +85,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, slots, positions, ctx_len, self.scale,
             prefix_slots=prefix_slots, prefix_len=prefix_len,
         )  # fmt: skip
-        return self.o_proj(out.reshape(bsz, seq, nh * hd)), residual
+        return self.o_proj(out.reshape(bsz, seq, nh * hd))
 
 
 class MLP(nn.Module):
@@ -103,10 +97,10 @@ class MLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, comm, "mlp_out", **kw)
 
-    def forward(self, x: Tensor, residual: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
-        """(x, residual) -> (down_proj output, x + residual): norm(x + residual) is this block's input."""
-        gate_up, residual = self.gate_up_proj.forward_normed(norm, x, residual)
-        return self.down_proj(gate_up, gated=True), residual
+    def forward(self, x: Tensor) -> Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = fused.silu_and_mul(gate_up) if fused.on_gpu(x) else fused.silu_and_mul_reference(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -119,10 +113,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, residual: Tensor | None, *attn_args) -> tuple[Tensor, Tensor]:
         """(x, residual) -> (this layer's MLP output, residual stream before it). The residual add of
-        each block is fused into the next norm (vLLM style): the stream is x + residual. Each norm is
-        fused into the GEMM after it too, for few rows on the GPU (common/kernels/small_linear.py)."""
-        h, residual = self.self_attn(x, residual, self.input_layernorm, *attn_args)
-        return self.mlp(h, residual, self.post_attention_layernorm)
+        each block is fused into the next norm (vLLM style): the stream is x + residual."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, *attn_args)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderStack(nn.Module):
