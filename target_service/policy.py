@@ -19,6 +19,15 @@ or catches the draft up costs a prefill, not a round) and the host residue (a ti
 two). Draft wait and residue come from the nearest k and the nearest bucket measured; with none at all
 the draft counts as free, so a new service speculates and learns.
 
+While k > 0 wins, plain steps are timed too: every `plain_gap` speculative steps at a bucket (from
+`probe_every`, doubling while speculation keeps winning, up to `max_probe_every`) the policy takes
+PLAIN_SETTLE + 1 plain steps, and the scheduler times the last of them as k = 0 (the first ones may
+share the GPUs with the draft's round after its last answer). Without them a k = 0 never timed kept its
+estimate, the start-up verify timing plus the host residue of speculative steps, and nothing corrected
+it: the likely cause of k = 3.9 at B=1 on the TP=2 pair, at 0.65-0.78x plain decoding (a speculative
+step there had 2.1 ms of host work against 0.7 ms for a plain one, and the start-up timing ran while the
+benchmark's other targets started on the same GPUs; tests/test_policy_loop.py has both).
+
 While k = 0 wins, a probe (two speculative steps: a catch-up, then a steady sample) keeps the
 estimates fresh. Probes cost: every 16 steps they took 15% of plain throughput on the real 135M pair,
 where one probe costs 3-7 plain steps. So, per batch bucket, the gap between probes starts at
@@ -41,6 +50,10 @@ from dataclasses import dataclass
 from target_service.request import Request, SpecStats
 
 FIXED, ADAPTIVE = "fixed", "adaptive"
+# Plain steps after a speculative one (or a fallback that waited for the draft) that are not timed as
+# k = 0: the draft may still be running the round it started after its last answer (draft-ahead: 5.3 ms
+# on GPUs it shared with the target at TP=2, against a 2.7 ms plain step).
+PLAIN_SETTLE = 2
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -170,6 +183,10 @@ class Probe:
     gap: int  # steps between probes now (doubles while probes keep losing)
     idle: int = 0  # plain steps since the last speculative one
     second: bool = False  # the next step is a probe's second (steady) step
+    # While speculation wins there: plain steps are timed every `plain_gap` speculative steps.
+    plain_gap: int = 0
+    spec: int = 0  # speculative steps since the last plain check
+    plain_left: int = 0  # plain steps left in the current check
 
 
 class SpeculationPolicy:
@@ -219,6 +236,7 @@ class SpeculationPolicy:
                 best_k, best = k, goodput
         probe = self.probe(len(batch))
         if best_k == 0:
+            probe.plain_gap, probe.spec, probe.plain_left = self.probe_every, 0, 0
             probe.idle += 1
             # A probe is two speculative steps: the first one catches the draft up (not a cost sample),
             # the second one measures a steady round.
@@ -231,11 +249,30 @@ class SpeculationPolicy:
                 return max_k
         else:
             probe.idle, probe.second, probe.gap = 0, False, self.probe_every
+            if self.check_plain(probe):
+                return 0
         return best_k
+
+    def check_plain(self, probe: Probe) -> bool:
+        """Whether this step, where speculation wins, is plain to time k = 0: PLAIN_SETTLE + 1 plain steps
+        every `plain_gap` speculative ones (the gap doubles after each check that speculation survives).
+        An estimate of k = 0 that is too high is never corrected by choosing k = 0 otherwise."""
+        if probe.plain_left:
+            probe.plain_left -= 1
+            return True
+        probe.spec += 1
+        if probe.spec < probe.plain_gap:
+            return False
+        probe.spec, probe.plain_left = 0, PLAIN_SETTLE
+        probe.plain_gap = min(2 * probe.plain_gap, self.max_probe_every)
+        return True
 
     def probe(self, batch: int) -> Probe:
         """The probing state of this batch's bucket."""
-        return self.probes.setdefault(self.costs.bucket(batch), Probe(self.probe_every))
+        bucket = self.costs.bucket(batch)
+        if bucket not in self.probes:
+            self.probes[bucket] = Probe(self.probe_every, plain_gap=self.probe_every)
+        return self.probes[bucket]
 
     def budget_gap(self, batch: int, k: int) -> int:
         """Plain steps between probes that keep a probe's cost (a catch-up step and a step at k instead

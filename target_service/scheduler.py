@@ -26,7 +26,7 @@ from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
 from target_service.draft_session import DraftSession, Proposal, checked_proposal
 from target_service.logprobs import add_pending_logprobs
-from target_service.policy import ADAPTIVE, BranchGate, SpeculationPolicy, StepCosts
+from target_service.policy import ADAPTIVE, PLAIN_SETTLE, BranchGate, SpeculationPolicy, StepCosts
 from target_service.request import FINISH, Request, Status, check_stop
 from target_service.runner import StepRow, TargetRunner
 
@@ -179,6 +179,13 @@ class Scheduler:
         self.learn_costs = config.speculation_policy == ADAPTIVE and link is not None
         # The adaptive policy also measures whether the draft's branches pay (fixed: always asked for).
         self.branch_gate = BranchGate(self.costs) if self.learn_costs else None
+        # Plain steps in a row that waited for no ask: past PLAIN_SETTLE of them, one is timed as k = 0.
+        self.plain_run = PLAIN_SETTLE  # at start the draft runs nothing
+        # The ask for the next step is sent in this step's commit: its seconds are the next step's cost
+        # (a plain step that precedes a speculative one would otherwise pay for it, and the last step of
+        # a run at k, followed by a plain one, would not).
+        self.ask_seconds = 0.0  # the ask sent in the latest step's commit
+        self.asked_seconds = 0.0  # the ask sent for the latest step (in the commit before it)
         self.slots = SlotTable(config.max_batch_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -387,7 +394,9 @@ class Scheduler:
             if finish != FINISH.FINISH_REASON_UNSPECIFIED:
                 finished.append((req, finish))
         done = {id(r) for r, _ in finished}
+        t0 = time.perf_counter()
         self._ask([r for r in batch if id(r) not in done and not r.cancelled])
+        self.ask_seconds = time.perf_counter() - t0
         self.streamer.tokens([(req, new) for req, new in zip(batch, new_tokens) if new], time.perf_counter())
         if num_drafts:
             self.metrics.drafts.inc(num_drafts)
@@ -404,7 +413,9 @@ class Scheduler:
     def _account(self, batch, width: int, gpu: float, emitted: int, *marks: float) -> None:
         t0, t1, t2, t3, t4 = marks
         if self.learn_costs:
-            self._learn_costs(len(batch), width, t4 - t0, t3 - t2)
+            wall = t4 - t0 - self.ask_seconds + self.asked_seconds  # the step with the ask made for it
+            self.asked_seconds = self.ask_seconds
+            self._learn_costs(len(batch), width, wall, t3 - t2)
         if self.branch_gate is not None:
             self.branch_gate.observe(len(batch), emitted, t4 - t0)
         self.metrics.verify_step.observe(t3 - t2)
@@ -423,12 +434,16 @@ class Scheduler:
 
     def _learn_costs(self, batch: int, width: int, wall: float, verify: float) -> None:
         """The step's costs for the adaptive policy. A plain step is a sample of k = 0 only when it
-        waited for no ask (not a fallback after a late or empty answer); a speculative one is a steady
-        sample when no draft prefill (a start, or a catch-up after plain steps) hid in its wait."""
+        waited for no ask (not a fallback after a late or empty answer), nor did the PLAIN_SETTLE steps
+        before it (the draft's work after its last answer may still share the target's GPUs); a
+        speculative one is a steady sample when no draft prefill (a start, or a catch-up after plain
+        steps) hid in its wait."""
         session = self.session
         self.costs.observe_verify(batch, width, verify)
+        plain = width == 1 and not session.last_asked
+        self.plain_run = self.plain_run + 1 if plain else 0
         if width == 1:
-            if not session.last_asked:
+            if self.plain_run > PLAIN_SETTLE:
                 self.costs.observe_step(batch, 0, wall, verify, 0.0)
         elif session.last_wait_steady:
             self.costs.observe_draft(batch, width - 1, session.last_wait)

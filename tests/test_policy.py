@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from target_service.detok import StreamDetokenizer
-from target_service.policy import BranchGate, SpeculationPolicy, StepCosts, expected_tokens
+from target_service.policy import PLAIN_SETTLE, BranchGate, SpeculationPolicy, StepCosts, expected_tokens
 from target_service.request import Request, check_stop
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
@@ -223,3 +223,21 @@ def test_branch_gate_per_batch_bucket():
         gate.observe(1, 4, 4 / (1500.0 if gate.want(1) else 1000.0))
         gate.observe(4, 16, 16 / (3000.0 if gate.want(4) else 4000.0))
     assert gate.rate[(1, True)] > gate.rate[(1, False)] and gate.rate[(4, True)] < gate.rate[(4, False)]
+
+
+def test_plain_steps_are_timed_while_speculation_wins():
+    # Speculation wins by its estimates: every plain_gap speculative steps, PLAIN_SETTLE + 1 plain steps
+    # (the last one timed as k = 0) check the estimate of k = 0, which nothing else would ever correct.
+    c = costs(1, {1: 1.0e-3, 2: 1.02e-3, 3: 1.04e-3, 4: 1.07e-3, 5: 1.1e-3}, draft=0.3e-3)
+    policy = SpeculationPolicy("adaptive", c, probe_every=4, max_probe_every=8)
+    batch = reqs(1, alpha=0.8)
+    chosen = [policy.choose(batch) for _ in range(36)]
+    check = [0] * (PLAIN_SETTLE + 1)
+    # The gap doubles after each check that speculation survives, up to max_probe_every.
+    assert chosen == [4] * 3 + check + [4] * 7 + check + [4] * 7 + check + [4] * 7 + check
+    # The timed plain step wins: plain decoding with probes, and the check gap is back to probe_every.
+    c.observe_step(1, 0, 1.0e-3, verify=1.0e-3, draft_wait=0.0)
+    c.observe_step(1, 4, 9.0e-3, verify=1.1e-3, draft_wait=7.9e-3)
+    c.observe_draft(1, 4, 7.9e-3)
+    assert policy.choose(batch) == 0
+    assert policy.probe(1).plain_gap == 4

@@ -6,7 +6,12 @@ plain step, +0.1 ms per verify position, a 3.1 ms draft round trip)."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from bench.host_path import SimulatedDraft, SimulatedRunner, run
+from target_service.policy import SpeculationPolicy
 
 PLAIN_STEP, PER_POSITION, ROUND_TRIP = 2.63e-3, 0.1e-3, 3.1e-3
 
@@ -28,3 +33,71 @@ def test_adaptive_keeps_speculating_where_it_wins():
     # alpha 0.9 and nearly free extra positions: k = 4 yields 4.1 tokens per 6.2 ms against 2.63 ms each.
     speculative, steps = speculative_share(alpha=0.9, per_position=0.01e-3)
     assert speculative >= 0.8 * steps, (speculative, steps)
+
+
+# A draft too slow for speculation to pay, at sleeps far above scheduling noise on 2 busy cores: a 20 ms
+# plain step, +4 ms per verify position, alpha 0.85 (3.7 tokens at k = 4). Speculating costs a 36 ms
+# verify plus the wait for the draft and the host work of the ask, over 25 ms per token; plain: 20 ms.
+SLOW = dict(plain=20e-3, per_position=4e-3, alpha=0.85)
+WARM_UP = 30  # steps before the policy is judged (the first plain check comes after 16 speculative ones)
+
+
+class AskingDraft(SimulatedDraft):
+    """A simulated draft whose ask costs the target `send_seconds` of host work before it leaves
+    (serialising and sending it: a speculative step pays that, a plain step sends nothing)."""
+
+    def __init__(self, round_trip: float, send_seconds: float = 0.0):
+        super().__init__(round_trip)
+        self.send_seconds = send_seconds
+
+    def send(self, msg, epoch: int) -> bool:
+        time.sleep(self.send_seconds)
+        return super().send(msg, epoch)
+
+
+def widths_after_warm_up(alpha, plain, per_position, round_trip, send_seconds=0.0, plain_prior=1.0,
+                         tokens=200) -> list[int]:  # fmt: skip
+    """Step widths (1: plain) of one greedy request under the adaptive policy, past WARM_UP. The runner
+    hands the scheduler start-up verify timings, as TargetRunner.time_steps does: exact, but the plain
+    one (width 1) `plain_prior` times the real step (timed while other services started on the GPUs)."""
+    runner = SimulatedRunner(alpha, plain, per_position)
+    runner.step_costs = {(1, w): (plain + per_position * (w - 1)) * (plain_prior if w == 1 else 1.0)
+                         for w in range(1, 6)}  # fmt: skip
+    run(1, tokens, None, 4, runner, AskingDraft(round_trip, send_seconds), policy="adaptive")
+    return runner.widths[WARM_UP:]
+
+
+# Why k = 0 was never timed: its estimate (the start-up verify plus the host residue of speculative steps)
+# came out above what speculation cost, and nothing made the policy try k = 0 while k > 0 won.
+SLOW_CASES = {
+    # the ask's host work (30 ms here; on the TP=2 H200 pair 2.1 ms per speculative step against 0.7 ms
+    # per plain one) counted into the estimate of a plain step: 50 ms against 20 ms real
+    "host work of speculative steps": dict(round_trip=40e-3, send_seconds=30e-3),
+    "start-up plain timing 3x too high": dict(round_trip=60e-3, plain_prior=3.0),
+}
+
+
+@pytest.mark.parametrize("case", SLOW_CASES)
+def test_slow_draft_settles_on_plain_steps(case):
+    widths = widths_after_warm_up(**SLOW, **SLOW_CASES[case])
+    plain = sum(w == 1 for w in widths)
+    assert plain >= 0.8 * len(widths), (plain, len(widths))
+
+
+@pytest.mark.parametrize("case", SLOW_CASES)
+def test_slow_draft_without_plain_checks_stays_speculative(case, monkeypatch):
+    # The power of the test above: without the plain checks, k = 0 is never timed and the policy keeps
+    # speculating at ~0.7x plain (what the TP=2 pair did at k = 3.9).
+    monkeypatch.setattr(SpeculationPolicy, "check_plain", lambda self, probe: False)
+    widths = widths_after_warm_up(**SLOW, **SLOW_CASES[case])
+    plain = sum(w == 1 for w in widths)
+    assert plain < 0.2 * len(widths), (plain, len(widths))
+
+
+def test_fast_draft_keeps_speculating_despite_plain_checks():
+    # alpha 0.9, +1 ms per position, a 5 ms round trip and 5 ms of host work per ask: k = 4 yields 4.1
+    # tokens per ~34 ms against 20 ms per token; the plain checks (3 steps after 16, then 32, ...
+    # speculative ones) take few steps.
+    widths = widths_after_warm_up(0.9, 20e-3, 1e-3, round_trip=5e-3, send_seconds=5e-3, tokens=300)
+    speculative = sum(w > 1 for w in widths)
+    assert speculative >= 0.8 * len(widths), (speculative, len(widths))
