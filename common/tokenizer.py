@@ -3,9 +3,11 @@ or raw UTF-8 bytes; plus the model's chat template, rendered with jinja2 as tran
 
 from __future__ import annotations
 
+import codecs
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Protocol
 
 
 class ChatTemplateError(ValueError):
@@ -61,9 +63,46 @@ class Tokenizer:
             return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
         return self._hf.decode(list(ids), skip_special_tokens=True)
 
+    def decode_stream(self) -> DecodeStream:
+        """A new incremental decoder for one output: step(id) -> the text that token completes, or None
+        while it ends in an incomplete character (the text then comes with a later token)."""
+        if self._hf is None:
+            return _ByteDecodeStream()
+        return _HFDecodeStream(self._hf)
+
     @property
     def is_byte_level(self) -> bool:
         return self._hf is None
+
+
+class DecodeStream(Protocol):
+    def step(self, token_id: int) -> str | None: ...
+
+
+class _HFDecodeStream:
+    """The tokenizers library's own incremental decoder (Rust: one call per token, the prefix window and
+    the byte-fallback / UTF-8 hold-back inside), with the special tokens skipped as `decode` does."""
+
+    def __init__(self, hf) -> None:
+        from tokenizers.decoders import DecodeStream as _Stream
+
+        self._hf, self._stream = hf, _Stream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str | None:
+        return self._stream.step(self._hf, token_id)
+
+
+class _ByteDecodeStream:
+    """Raw UTF-8 bytes (ids 0-255; larger ids have no text) through Python's incremental UTF-8 codec."""
+
+    def __init__(self) -> None:
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str | None:
+        if not 0 <= token_id < 256:
+            return ""
+        text = self._utf8.decode(bytes((token_id,)))
+        return None if not text and self._utf8.getstate()[0] else text
 
 
 def _eos_from_files(path: Path, hf) -> int | None:

@@ -14,9 +14,13 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from common.tokenizer import DecodeStream
+
 
 class Decoder(Protocol):
     def decode(self, ids: list[int]) -> str: ...
+
+    def decode_stream(self) -> DecodeStream: ...
 
 
 @dataclass
@@ -34,20 +38,22 @@ class StreamDetokenizer:
     text: str = ""  # decoded text of the confirmed tokens (never ends in a partial character)
     # char_end[j]: len(text) once token j is confirmed; tokens past len(char_end) await more bytes.
     char_end: list[int] = field(default_factory=list)
-    prefix: int = 0  # decoding restarts from ids[prefix:]: a few tokens of context, not the whole output
+    # flush() decodes the unconfirmed tail from ids[prefix:]: the last confirmed token(s) as context
+    prefix: int = 0
+    stream: DecodeStream | None = None  # the tokenizer's incremental decoder, made on first use
     sent_ids: int = 0
     sent_chars: int = 0
 
     def _append(self, token: int) -> None:
-        """Decodes one more token from a short window, so a step costs O(new tokens), not O(output)."""
         assert self.tokenizer is not None
+        if self.stream is None:
+            self.stream = self.tokenizer.decode_stream()
         self.ids.append(token)
-        confirmed = len(self.char_end)
-        known = self.tokenizer.decode(self.ids[self.prefix : confirmed])
-        window = self.tokenizer.decode(self.ids[self.prefix :])
-        if window.endswith("\ufffd") or len(window) < len(known):
+        chunk = self.stream.step(token)
+        if chunk is None:
             return  # an incomplete character: wait for its next bytes
-        self.text += window[len(known) :]
+        confirmed = len(self.char_end)
+        self.text += chunk
         self.char_end += [len(self.text)] * (len(self.ids) - confirmed)
         self.prefix = confirmed
 

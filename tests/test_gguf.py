@@ -26,6 +26,7 @@ from specsplit import cli
 from specsplit.client import Client
 from specsplit.demo import DEMO_DRAFT_LAYERS, smollm2_gguf
 from specsplit.v1 import sampling_pb2, target_pb2
+from target_service.detok import StreamDetokenizer
 from tests.service_util import generate_many, running, start_draft, start_target
 
 # Loads a 135M model three times (ours, transformers', the service's): minutes on a loaded 2-core box.
@@ -99,6 +100,21 @@ def test_tokenizer_and_chat_template_match_transformers(smollm2, hf, chat_ids):
         CHATS[0], add_generation_prompt=True, tokenize=False
     )
     assert ours.decode(chat_ids[0]) == theirs.decode(chat_ids[0], skip_special_tokens=True)
+
+
+def test_streamed_text_equals_transformers_decode(smollm2, hf):
+    """Token by token through the target's detokenizer (the tokenizers library's DecodeStream), then
+    flushed: exactly the text transformers' tokenizer decodes from the whole output. Random ids (byte
+    pieces that split characters, special tokens) and real multi-byte text."""
+    import random
+
+    ours, theirs = load_tokenizer(smollm2), hf[1]
+    rng = random.Random(5)
+    ids = [rng.randrange(ours.vocab_size) for _ in range(300)] + ours.encode("naïve café 😀 東京 <|im_end|>")
+    detok = StreamDetokenizer(ours, [])
+    deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(d.text for d in deltas) == theirs.decode(ids, skip_special_tokens=True)
+    assert [i for d in deltas for i in d.token_ids] == ids
 
 
 def test_logits_match_transformers(smollm2, hf, chat_ids):
