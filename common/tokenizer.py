@@ -29,6 +29,7 @@ class Tokenizer:
         self.eos_token_id = eos_token_id
         self.chat_template = chat_template
         self.special_tokens = special_tokens or {}  # bos_token / eos_token text, passed to the template
+        self._no_text_ids: frozenset[int] | None = None  # special tokens: `decode` skips them
 
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ([{role, content}]), ending with the assistant's turn opener."""
@@ -68,7 +69,10 @@ class Tokenizer:
         while it ends in an incomplete character (the text then comes with a later token)."""
         if self._hf is None:
             return _ByteDecodeStream()
-        return _HFDecodeStream(self._hf)
+        if self._no_text_ids is None:
+            added = self._hf.get_added_tokens_decoder()
+            self._no_text_ids = frozenset(i for i, tok in added.items() if tok.special)
+        return _HFDecodeStream(self._hf, self._no_text_ids, self.vocab_size)
 
     @property
     def is_byte_level(self) -> bool:
@@ -81,14 +85,22 @@ class DecodeStream(Protocol):
 
 class _HFDecodeStream:
     """The tokenizers library's own incremental decoder (Rust: one call per token, the prefix window and
-    the byte-fallback / UTF-8 hold-back inside), with the special tokens skipped as `decode` does."""
+    the byte-fallback / UTF-8 hold-back inside), with the special tokens skipped as `decode` does.
 
-    def __init__(self, hf) -> None:
+    DecodeStream answers None for any token that adds no text, not only for an incomplete character. A
+    special token or an id past the tokenizer's vocabulary (a model's padding rows) has no text at all:
+    it is answered "" here without being fed, so its id is released at once instead of waiting for the
+    next token with text (which a model sampling only such ids would never produce)."""
+
+    def __init__(self, hf, no_text_ids: frozenset[int], vocab_size: int) -> None:
         from tokenizers.decoders import DecodeStream as _Stream
 
         self._hf, self._stream = hf, _Stream(skip_special_tokens=True)
+        self._no_text_ids, self._vocab_size = no_text_ids, vocab_size
 
     def step(self, token_id: int) -> str | None:
+        if token_id in self._no_text_ids or not 0 <= token_id < self._vocab_size:
+            return ""
         return self._stream.step(self._hf, token_id)
 
 

@@ -57,6 +57,19 @@ def test_without_a_stop_everything_is_streamed_and_ids_match_text(tokenizer):
     assert not stopped and "".join(texts) == text and sent_ids == ids
 
 
+@pytest.mark.parametrize("byte_level", [False, True])
+def test_ids_without_text_are_released_at_once(tokenizer, byte_level):
+    """Ids past the tokenizer's vocabulary (a model's padding rows; a random-weight model samples them)
+    and special tokens have no text: each push releases its ids at once, never held for text to come."""
+    tok = load_tokenizer("/nonexistent-dir-uses-byte-level") if byte_level else tokenizer
+    specials = [] if byte_level else [i for i, t in tok._hf.get_added_tokens_decoder().items() if t.special]
+    assert byte_level or specials  # the tiny tokenizer has <|endoftext|>
+    detok = StreamDetokenizer(tok, [])
+    for i in [tok.vocab_size, tok.vocab_size + 7, *specials, 10**6]:
+        assert detok.push([i]).token_ids == [i]
+    assert detok.push(tok.encode("ok")).text == "ok"
+
+
 def test_incomplete_utf8_is_held_back():
     byte_level = load_tokenizer("/nonexistent-dir-uses-byte-level")
     ids = list("héllo".encode())  # 'é' is two bytes
