@@ -115,7 +115,7 @@ class DraftSession:
         self.candidates: dict[int, tuple[int, dict[tuple[int, ...], list[int]]]] = {}
         # Running figures for going on with part of the branches: accepted drafts per speculating
         # request and step, verify seconds per step, and the draft's round trip.
-        self.want_branches = True  # ask the draft for branches (the adaptive policy's BranchGate decides)
+        self.want_branches = True  # ask the draft for branches (the adaptive policy's branch gate decides)
         self.accepted_per_row = 1.0
         self.verify_seconds = 0.0
         self.round_trip = 0.0

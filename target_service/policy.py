@@ -19,30 +19,22 @@ or catches the draft up costs a prefill, not a round) and the host residue (a ti
 two). Draft wait and residue come from the nearest k and the nearest bucket measured; with none at all
 the draft counts as free, so a new service speculates and learns.
 
-While k > 0 wins, plain steps are timed too: every `plain_gap` speculative steps at a bucket (from
-`probe_every`, doubling while speculation keeps winning, up to `max_probe_every`) the policy takes
-PLAIN_SETTLE + 1 plain steps, and the scheduler times the last of them as k = 0 (the first ones may
-share the GPUs with the draft's round after its last answer). Without them a k = 0 never timed kept its
-estimate, the start-up verify timing plus the host residue of speculative steps, and nothing corrected
-it: the likely cause of k = 3.9 at B=1 on the TP=2 pair, at 0.65-0.78x plain decoding (a speculative
-step there had 2.1 ms of host work against 0.7 ms for a plain one, and the start-up timing ran while the
-benchmark's other targets started on the same GPUs; tests/test_policy_loop.py has both).
-
-While k = 0 wins, a probe (two speculative steps: a catch-up, then a steady sample) keeps the
-estimates fresh. Probes cost: every 16 steps they took 15% of plain throughput on the real 135M pair,
-where one probe costs 3-7 plain steps. So, per batch bucket, the gap between probes starts at
-`probe_every` and after each losing probe doubles, or grows to what keeps probing within
-`probe_budget` of the plain steps' time (catch-up included), whichever is longer, up to
-`max_probe_every`. It falls back to `probe_every` when speculation wins at that bucket; a win at a
-small bucket (requests ramping up) leaves a large bucket's gap alone. Greedy output never depends on
-k: verification is lossless for any k.
+Whether to speculate at all is measured, not estimated: per batch bucket a `ModeGate` runs windows of
+16 steps with speculation on (the model's best k >= 1) or off (k = 0), compares their output tokens per
+second, keeps the better and tries the other every 16 windows. The model alone misjudged both ways, as
+whole steps in one mode cost what they cost only while the service stays in it: on the TP=2 H200 pair
+it kept k = 3.9 at 0.65-0.78x plain (k = 0 was never timed; its estimate, the start-up verify plus the
+host residue of speculative steps, stayed too high); once plain steps were timed, on one H200 at B=1 it
+chose k = 0 at 0.86-0.91x (speculative steps timed between plain ones missed the pipelined steady state,
+5.8 ms against 4.9, and the running acceptance read 0.51-0.65 against the 0.79 measured). The first
+window of a bucket follows the model. Greedy output never depends on k: verification is lossless for
+any k.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
-import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,7 +82,6 @@ class StepCosts:
         self.draft = Medians(window)  # (bucket, k) -> the wait for the draft's answer
         self.step = Medians(window)  # (bucket, k) -> a whole steady step
         self.residue = Medians(window)  # bucket -> a step's wall less its verify and draft wait
-        self.catchup = Medians(window)  # bucket -> a speculative step that first catches the draft up
 
     def bucket(self, batch: int) -> int:
         i = bisect.bisect_left(self.batch_buckets, batch)
@@ -104,11 +95,6 @@ class StepCosts:
 
     def observe_draft(self, batch: int, k: int, seconds: float) -> None:
         self.draft.observe((self.bucket(batch), k), seconds)
-
-    def observe_catchup(self, batch: int, seconds: float) -> None:
-        """A speculative step that was not steady: the draft first caught up (new requests, or the
-        tokens of plain steps since it last drafted). What the first step of a probe costs."""
-        self.catchup.observe(self.bucket(batch), seconds)
 
     def observe_step(self, batch: int, k: int, seconds: float, verify: float, draft_wait: float) -> None:
         """A steady step's wall time at k, and its parts (what the parts miss is the host residue)."""
@@ -157,15 +143,6 @@ class StepCosts:
             return None
         return verify + self.draft_seconds(batch, k) + self.residue_seconds(batch)
 
-    def probe_seconds(self, batch: int, k: int) -> float | None:
-        """What a probe's two steps at k cost over two plain steps: its first step catches the draft
-        up (timed as such where seen), the second is a steady step at k."""
-        plain, wide = self.step_seconds(batch, 0), self.step_seconds(batch, k)
-        if not plain or wide is None:
-            return None
-        first = self.catchup.get(self.bucket(batch), wide)
-        return max(0.0, first + wide - 2 * plain)
-
     def describe(self) -> str:
         """Each timed (bucket, k): whole step ms, then verify + draft wait + residue ms (for the log)."""
         out = []
@@ -176,28 +153,13 @@ class StepCosts:
         return "; ".join(out)
 
 
-@dataclass
-class Probe:
-    """Probing state of one batch bucket while plain steps win there."""
-
-    gap: int  # steps between probes now (doubles while probes keep losing)
-    idle: int = 0  # plain steps since the last speculative one
-    second: bool = False  # the next step is a probe's second (steady) step
-    # While speculation wins there: plain steps are timed every `plain_gap` speculative steps.
-    plain_gap: int = 0
-    spec: int = 0  # speculative steps since the last plain check
-    plain_left: int = 0  # plain steps left in the current check
-
-
 class SpeculationPolicy:
     def __init__(
         self,
         mode: str,
         costs: StepCosts,
         prior_alpha: float = 0.7,
-        probe_every: int = 16,
-        max_probe_every: int = 1024,
-        probe_budget: float = 0.02,
+        gate: bool = True,
     ):
         if mode not in (FIXED, ADAPTIVE):
             raise ValueError(f"--speculation-policy: {mode!r} is not one of fixed, adaptive")
@@ -207,10 +169,9 @@ class SpeculationPolicy:
         # starts from `prior_alpha`: short requests then do not each re-learn a bad draft.
         self.first_prior = prior_alpha
         self.service = SpecStats()
-        self.probe_every = probe_every
-        self.max_probe_every = max_probe_every
-        self.probe_budget = probe_budget  # the share of plain throughput that probing may cost
-        self.probes: dict[int, Probe] = {}  # by batch bucket
+        # Speculation on or off per batch bucket, by measured throughput (None: the model decides).
+        self.gate = ModeGate(costs) if gate and mode == ADAPTIVE else None
+        self.gated = False
 
     @property
     def prior_alpha(self) -> float:
@@ -223,64 +184,43 @@ class SpeculationPolicy:
     def choose(self, batch: Sequence[Request]) -> int:
         """The step's k: each request r then drafts min(k, r.k) tokens."""
         max_k = max((r.k for r in batch), default=0)
+        self.gated = False  # the step this chooses for is one of the gate's (observe_step)
         if self.mode == FIXED or max_k == 0:
             return max_k
         tokens = self.batch_tokens(batch, max_k)
-        best_k, best = 0, -1.0
+        goodput = []
         for k in range(max_k + 1):
             seconds = self.costs.step_seconds(len(batch), k)
             if seconds is None:
                 return k  # no verify cost measured at or below this width for this batch: measure it
-            goodput = tokens[k] / max(seconds, 1e-9)
-            if goodput > best:
-                best_k, best = k, goodput
-        probe = self.probe(len(batch))
-        if best_k == 0:
-            probe.plain_gap, probe.spec, probe.plain_left = self.probe_every, 0, 0
-            probe.idle += 1
-            # A probe is two speculative steps: the first one catches the draft up (not a cost sample),
-            # the second one measures a steady round.
-            if probe.idle >= probe.gap or probe.second:
-                probe.second = not probe.second
-                if not probe.second:  # the probe's second step: plain still won after the first
-                    gap = max(2 * probe.gap, self.budget_gap(len(batch), max_k))
-                    probe.gap = min(gap, self.max_probe_every)
-                probe.idle = 0
-                return max_k
-        else:
-            probe.idle, probe.second, probe.gap = 0, False, self.probe_every
-            if self.check_plain(probe):
-                return 0
-        return best_k
-
-    def check_plain(self, probe: Probe) -> bool:
-        """Whether this step, where speculation wins, is plain to time k = 0: PLAIN_SETTLE + 1 plain steps
-        every `plain_gap` speculative ones (the gap doubles after each check that speculation survives).
-        An estimate of k = 0 that is too high is never corrected by choosing k = 0 otherwise."""
-        if probe.plain_left:
-            probe.plain_left -= 1
-            return True
-        probe.spec += 1
-        if probe.spec < probe.plain_gap:
-            return False
-        probe.spec, probe.plain_left = 0, PLAIN_SETTLE
-        probe.plain_gap = min(2 * probe.plain_gap, self.max_probe_every)
-        return True
-
-    def probe(self, batch: int) -> Probe:
-        """The probing state of this batch's bucket."""
-        bucket = self.costs.bucket(batch)
-        if bucket not in self.probes:
-            self.probes[bucket] = Probe(self.probe_every, plain_gap=self.probe_every)
-        return self.probes[bucket]
-
-    def budget_gap(self, batch: int, k: int) -> int:
-        """Plain steps between probes that keep a probe's cost (a catch-up step and a step at k instead
-        of two plain ones) within `probe_budget` of the plain steps' time; 0 where not timed."""
-        plain, cost = self.costs.step_seconds(batch, 0), self.costs.probe_seconds(batch, k)
-        if not plain or cost is None or self.probe_budget <= 0:
+            goodput.append(tokens[k] / max(seconds, 1e-9))
+        best_k = max(range(max_k + 1), key=goodput.__getitem__)
+        self.gated = self.gate is not None
+        if self.gate is None:
+            return best_k
+        if not self.gate.want(len(batch), default=best_k > 0):
             return 0
-        return math.ceil(cost / (self.probe_budget * plain))
+        # On: the model's best k >= 1 (measured windows may say speculation pays where the model says not).
+        return max(range(1, max_k + 1), key=goodput.__getitem__)
+
+    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        """One step's output tokens and wall time (the gate's windows; not steps no request could
+        speculate in)."""
+        if self.gated:
+            self.gate.observe(batch, tokens, seconds)
+
+    def explain(self, batch: Sequence[Request]) -> str:
+        """Per k: the step seconds `choose` would use, the expected tokens and their ratio (the log)."""
+        max_k = max((r.k for r in batch), default=0)
+        tokens = self.batch_tokens(batch, max_k)
+        out = []
+        for k in range(max_k + 1):
+            seconds = self.costs.step_seconds(len(batch), k)
+            timed = "timed" if (self.costs.bucket(len(batch)), k) in self.costs.step else "parts"
+            rate = f"{tokens[k] / seconds:.0f} tok/s" if seconds else "?"
+            ms = f"{seconds * 1e3:.2f} ms" if seconds else "?"
+            out.append(f"k={k} {ms} ({timed}) x {tokens[k]:.2f} tok = {rate}")
+        return "; ".join(out)
 
     def batch_tokens(self, batch: Sequence[Request], max_k: int) -> list[float]:
         """Expected tokens of the whole batch for a step at each k in 0..max_k (request r drafts
@@ -306,15 +246,16 @@ class _Window:
     windows: int = 0
 
 
-class BranchGate:
-    """Whether to ask the draft for branches (adaptive policy), per batch bucket, from measured output.
+class ModeGate:
+    """A mode on or off per batch bucket, chosen by measured output (adaptive policy): speculation
+    itself (SpeculationPolicy.gate), and the draft's branches.
 
     Branches move the draft's round off the target's critical path, but the branch round (k + 1 rows per
     request) can outlast the target's step, or share its GPUs and slow its verify: on two H200s with the
     draft and the target both TP=2 on both, a branch round took 5.6 ms against a 2.7 ms plain step. So
-    the target runs windows of `window` steps with branches on or off, compares output tokens per second
+    the target runs windows of `window` steps with the mode on or off, compares output tokens per second
     of each (the first `settle` steps of a window are not counted: a switch takes a step to show), keeps
-    the better and tries the other every `explore_every` windows.
+    the better and tries the other every `explore_every` windows. A bucket's first window is `default`.
     """
 
     def __init__(self, costs: StepCosts, window: int = 16, settle: int = 2, explore_every: int = 16):
@@ -323,8 +264,8 @@ class BranchGate:
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
         self.state: dict[int, _Window] = {}
 
-    def want(self, batch: int) -> bool:
-        return self.state.setdefault(self.costs.bucket(batch), _Window(True)).on
+    def want(self, batch: int, default: bool = True) -> bool:
+        return self.state.setdefault(self.costs.bucket(batch), _Window(default)).on
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         """One step's output tokens and wall time."""

@@ -26,11 +26,13 @@ from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
 from target_service.draft_session import DraftSession, Proposal, checked_proposal
 from target_service.logprobs import add_pending_logprobs
-from target_service.policy import ADAPTIVE, PLAIN_SETTLE, BranchGate, SpeculationPolicy, StepCosts
+from target_service.policy import ADAPTIVE, PLAIN_SETTLE, ModeGate, SpeculationPolicy, StepCosts
 from target_service.request import FINISH, Request, Status, check_stop
 from target_service.runner import StepRow, TargetRunner
 
 __all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposal"]
+
+LOG_EVERY = 64  # steps between the DEBUG phase and policy lines
 
 log = logging.getLogger("specsplit.target")
 
@@ -178,7 +180,7 @@ class Scheduler:
         # Only the adaptive policy with a draft reads the step costs: nobody else pays for keeping them.
         self.learn_costs = config.speculation_policy == ADAPTIVE and link is not None
         # The adaptive policy also measures whether the draft's branches pay (fixed: always asked for).
-        self.branch_gate = BranchGate(self.costs) if self.learn_costs else None
+        self.branch_gate = ModeGate(self.costs) if self.learn_costs else None
         # Plain steps in a row that waited for no ask: past PLAIN_SETTLE of them, one is timed as k = 0.
         self.plain_run = PLAIN_SETTLE  # at start the draft runs nothing
         # The ask for the next step is sent in this step's commit: its seconds are the next step's cost
@@ -416,7 +418,8 @@ class Scheduler:
             wall = t4 - t0 - self.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = self.ask_seconds
             self._learn_costs(len(batch), width, wall, t3 - t2)
-        if self.branch_gate is not None:
+        self.policy.observe_step(len(batch), emitted, t4 - t0)
+        if self.branch_gate is not None and width > 1:  # branches only change speculative steps
             self.branch_gate.observe(len(batch), emitted, t4 - t0)
         self.metrics.verify_step.observe(t3 - t2)
         if gpu:
@@ -426,10 +429,12 @@ class Scheduler:
         self.steps += 1
         for phase, a, b in (("plan", t0, t1), ("propose", t1, t2), ("verify", t2, t3), ("commit", t3, t4)):
             self.phase_seconds[phase] += b - a
-        if self.steps % 256 == 0 and log.isEnabledFor(logging.DEBUG):
-            phases = ", ".join(f"{k} {v / 256 * 1e3:.2f}" for k, v in self.phase_seconds.items())
-            log.debug("mean ms per step over 256 steps: %s", phases)
+        if self.steps % LOG_EVERY == 0 and log.isEnabledFor(logging.DEBUG):
+            phases = ", ".join(f"{k} {v / LOG_EVERY * 1e3:.2f}" for k, v in self.phase_seconds.items())
+            log.debug("mean ms per step over %d steps: %s", LOG_EVERY, phases)
             log.debug("policy costs (bucket, k): %s", self.costs.describe())
+            if self.learn_costs:
+                log.debug("policy at B=%d: %s", len(batch), self.policy.explain(batch))
             self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)
 
     def _learn_costs(self, batch: int, width: int, wall: float, verify: float) -> None:
@@ -448,8 +453,6 @@ class Scheduler:
         elif session.last_wait_steady:
             self.costs.observe_draft(batch, width - 1, session.last_wait)
             self.costs.observe_step(batch, width - 1, wall, verify, session.last_wait)
-        else:
-            self.costs.observe_catchup(batch, wall)
 
     def _usage(self, req: Request) -> target_pb2.Usage:
         return target_pb2.Usage(

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bench.host_path import SimulatedDraft, SimulatedRunner, run
-from target_service.policy import SpeculationPolicy
+from target_service.policy import ModeGate
 
 PLAIN_STEP, PER_POSITION, ROUND_TRIP = 2.63e-3, 0.1e-3, 3.1e-3
 
@@ -39,7 +39,7 @@ def test_adaptive_keeps_speculating_where_it_wins():
 # plain step, +4 ms per verify position, alpha 0.85 (3.7 tokens at k = 4). Speculating costs a 36 ms
 # verify plus the wait for the draft and the host work of the ask, over 25 ms per token; plain: 20 ms.
 SLOW = dict(plain=20e-3, per_position=4e-3, alpha=0.85)
-WARM_UP = 30  # steps before the policy is judged (the first plain check comes after 16 speculative ones)
+WARM_UP = 32  # steps before the policy is judged: the gate's first two windows, one per mode
 
 
 class AskingDraft(SimulatedDraft):
@@ -85,19 +85,19 @@ def test_slow_draft_settles_on_plain_steps(case):
 
 
 @pytest.mark.parametrize("case", SLOW_CASES)
-def test_slow_draft_without_plain_checks_stays_speculative(case, monkeypatch):
-    # The power of the test above: without the plain checks, k = 0 is never timed and the policy keeps
-    # speculating at ~0.7x plain (what the TP=2 pair did at k = 3.9).
-    monkeypatch.setattr(SpeculationPolicy, "check_plain", lambda self, probe: False)
+def test_slow_draft_without_the_gate_stays_speculative(case, monkeypatch):
+    # The power of the test above: with the model alone (the gate following it), k = 0's estimate stays
+    # too high and the policy keeps speculating at ~0.7x plain (what the TP=2 pair did at k = 3.9).
+    monkeypatch.setattr(ModeGate, "want", lambda self, batch, default=True: default)
     widths = widths_after_warm_up(**SLOW, **SLOW_CASES[case])
     plain = sum(w == 1 for w in widths)
     assert plain < 0.2 * len(widths), (plain, len(widths))
 
 
-def test_fast_draft_keeps_speculating_despite_plain_checks():
+def test_fast_draft_keeps_speculating_despite_the_gate():
     # alpha 0.9, +1 ms per position, a 5 ms round trip and 5 ms of host work per ask: k = 4 yields 4.1
-    # tokens per ~34 ms against 20 ms per token; the plain checks (3 steps after 16, then 32, ...
-    # speculative ones) take few steps.
+    # tokens per ~34 ms against 20 ms per token; the gate's plain windows (the second window, then one
+    # in 16) take few steps.
     widths = widths_after_warm_up(0.9, 20e-3, 1e-3, round_trip=5e-3, send_seconds=5e-3, tokens=300)
     speculative = sum(w > 1 for w in widths)
     assert speculative >= 0.8 * len(widths), (speculative, len(widths))
