@@ -33,6 +33,7 @@ from target_service.runner import StepRow, TargetRunner
 __all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposal"]
 
 LOG_EVERY = 64  # steps between the DEBUG phase and policy lines
+BRANCH_SETTLE = 2  # speculative steps after plain ones that the branch gate does not count
 
 log = logging.getLogger("specsplit.target")
 
@@ -183,6 +184,7 @@ class Scheduler:
         self.branch_gate = ModeGate(self.costs) if self.learn_costs else None
         # Plain steps in a row that waited for no ask: past PLAIN_SETTLE of them, one is timed as k = 0.
         self.plain_run = PLAIN_SETTLE  # at start the draft runs nothing
+        self.spec_run = 0  # speculative steps in a row (the branch gate's settle)
         # The ask for the next step is sent in this step's commit: its seconds are the next step's cost
         # (a plain step that precedes a speculative one would otherwise pay for it, and the last step of
         # a run at k, followed by a plain one, would not).
@@ -335,7 +337,7 @@ class Scheduler:
         t4 = time.perf_counter()
         self.session.note_step(drafted_rows, accepted, t3 - t2)
         emitted = sum(len(out) for out in result.tokens)
-        self._account(batch, width, result.gpu_seconds, emitted, t0, t1, t2, t3, t4)
+        self._account(batch, width, result.gpu_seconds, emitted, bool(new), t0, t1, t2, t3, t4)
 
     def _ask(self, batch: list[Request], subset: list[Request] | None = None) -> None:
         """Ask the draft for the policy's k (chosen for the whole batch) for `subset` (default: all)."""
@@ -412,14 +414,17 @@ class Scheduler:
             self._finish(req, finish)
         return num_drafts, num_accepted
 
-    def _account(self, batch, width: int, gpu: float, emitted: int, *marks: float) -> None:
+    def _account(self, batch, width: int, gpu: float, emitted: int, started: bool, *marks: float) -> None:
         t0, t1, t2, t3, t4 = marks
         if self.learn_costs:
             wall = t4 - t0 - self.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = self.ask_seconds
             self._learn_costs(len(batch), width, wall, t3 - t2)
         self.policy.observe_step(len(batch), emitted, t4 - t0)
-        if self.branch_gate is not None and width > 1:  # branches only change speculative steps
+        # Branches only change steady speculative steps: not plain ones, not the first ones after plain
+        # steps (no branches yet, whether asked for or not), not one that starts a request on the draft.
+        self.spec_run = self.spec_run + 1 if width > 1 else 0
+        if self.branch_gate is not None and self.spec_run > BRANCH_SETTLE and not started:
             self.branch_gate.observe(len(batch), emitted, t4 - t0)
         self.metrics.verify_step.observe(t3 - t2)
         if gpu:

@@ -101,3 +101,29 @@ def test_fast_draft_keeps_speculating_despite_the_gate():
     widths = widths_after_warm_up(0.9, 20e-3, 1e-3, round_trip=5e-3, send_seconds=5e-3, tokens=300)
     speculative = sum(w > 1 for w in widths)
     assert speculative >= 0.8 * len(widths), (speculative, len(widths))
+
+
+def test_branch_gate_counts_only_steady_speculative_steps():
+    """The branch gate compares speculative steps with branches asked for or not: plain steps, the first
+    BRANCH_SETTLE speculative steps after plain ones (no branches exist yet either way) and a step that
+    starts a request on the draft (its prefill) would weigh on whichever window they fall in."""
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics import ServiceMetrics
+    from target_service.config import TargetConfig
+    from target_service.scheduler import BRANCH_SETTLE, Scheduler
+
+    metrics = ServiceMetrics("target", "gate", registry=CollectorRegistry())
+    config = TargetConfig(model="none", max_batch_size=1, speculation_policy="adaptive")
+    sched = Scheduler(SimulatedRunner(), config, metrics, SimulatedDraft(), frozenset())
+    marks = (0.0, 0.0, 0.0, 0.0, 1e-3)
+
+    def counted(width: int, started: bool = False) -> int:
+        before = sched.branch_gate.state[1].steps if 1 in sched.branch_gate.state else 0
+        sched._account([object()], width, 0.0, 1, started, *marks)
+        return sched.branch_gate.state[1].steps - before if 1 in sched.branch_gate.state else 0
+
+    assert [counted(1) for _ in range(3)] == [0, 0, 0]  # plain
+    assert [counted(5) for _ in range(BRANCH_SETTLE + 2)] == [0] * BRANCH_SETTLE + [1, 1]
+    assert counted(5, started=True) == 0
+    assert counted(1) == 0 and counted(5) == 0  # after a plain step the settle starts again
