@@ -165,8 +165,10 @@ def test_soak_64_streams_with_draft_restarts(demo_models, tmp_path):
         wait_for(lambda: target.metric("specsplit_kv_slots_used") == 0, 30, "KV slots back to 0")
         assert target.metric("specsplit_running_requests") == 0
         assert target.metric("specsplit_waiting_requests") == 0
+        # No thread leaks: a thread of the last dropped connection may take a moment to exit (seen once
+        # under a busy CI: 20 threads against 19 right after the reconnect), a leaked one never does.
+        wait_for(lambda: proc_stats(target.popen.pid).threads <= base.threads, 15, "threads back to the base")
         after = proc_stats(target.popen.pid)
-        assert after.threads <= base.threads, (base, after)
         assert after.fds <= base.fds + 2, (base, after)  # a reconnect may hold a new socket pair
         assert after.rss_kb <= base.rss_kb * 1.05, (base, after)
         print(f"soak: {stats.done} requests, {kills} draft kills, base {base}, after {after}")
