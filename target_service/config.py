@@ -36,6 +36,11 @@ class TargetConfig(ServiceConfig):
     max_stream_backlog: int = flag(
         1024, "responses a client may leave unread before its stream is cancelled (RESOURCE_EXHAUSTED)"
     )
+    stream_interval: int = flag(
+        1,
+        "send a request's tokens once this many are ready (its first and its last at once): fewer "
+        "stream writes per step at large batch, for chunkier streams",
+    )
     draft_tls_ca: str = flag("", "CA (PEM) to verify the draft service: turns on TLS to the draft")
     draft_tls_cert: str = flag("", "client certificate (PEM) for mTLS to the draft")
     draft_tls_key: str = flag("", "client key (PEM) for mTLS to the draft")
@@ -52,5 +57,7 @@ class TargetConfig(ServiceConfig):
             raise ValueError("--max-queued-requests: must be >= 0")
         if self.max_stream_backlog < 1:
             raise ValueError("--max-stream-backlog: must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval: must be >= 1")
         if self.draft_timeout <= 0:
             raise ValueError("--draft-timeout: must be > 0")

@@ -80,6 +80,9 @@ class Request:
     last_chunk: float = 0.0
     cancelled: str = ""  # "", "client", "abort" or "stop_string" (found by the streamer)
     streamed: int = 0  # output tokens sent to the client (the usage count)
+    # Released by the detokenizer, not sent yet (--stream-interval): ids and their text.
+    held_ids: list[int] = field(default_factory=list)
+    held_text: str = ""
     draft: DraftSync = field(default_factory=DraftSync)
     spec: SpecStats = field(default_factory=SpecStats)
     logprobs: int | None = None  # alternatives to return per token; None: no logprobs
