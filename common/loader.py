@@ -14,13 +14,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from common.config import ModelConfig
+from common.config import DTYPES, ModelConfig
 from common.distributed import Comm
 from common.draft_checkpoint import with_shared_weights
 from common.gguf import GGUFCheckpoint, find_gguf, open_gguf
 from common.layers.shard import checkpoint_parts
 from common.models.transformer import Transformer
 from common.tokenizer import Tokenizer, load_tokenizer
+from common.tp_executor import rank_device
 
 __all__ = ["Tokenizer", "check_local_argmax", "load_model", "load_tokenizer"]
 
@@ -106,6 +107,15 @@ def check_local_argmax(model: nn.Module, use_local_argmax_reduction: bool, draft
         raise ValueError(
             f"use_local_argmax_reduction=True: draft model {type(model).__name__} has no get_top_tokens()"
         )
+
+
+def load_service_model(config, comm: Comm, **kwargs) -> tuple[torch.device, Transformer]:
+    """A service's model (`config`: a ServiceConfig) on this rank's device in its dtype, the progress
+    bar on rank 0 only: (device, model). kwargs go to load_model (the draft's head and argmax modes)."""
+    device = rank_device(config.device, comm.rank)
+    progress = comm.rank == 0 and config.log_format == "text"
+    dtype = DTYPES[config.dtype]
+    return device, load_model(config.model, comm, device=device, dtype=dtype, progress=progress, **kwargs)
 
 
 def load_model(

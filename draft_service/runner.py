@@ -19,15 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from common.batch import pack
-from common.config import DTYPES
 from common.cuda_graphs import buckets, capture, warm_eager_shapes
 from common.distributed import Comm, add_comm_stats
 from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
 from common.kv_cache import KVCache
 from common.layers.logits import second_choice
-from common.loader import load_model
-from common.tp_executor import TPExecutor, rank_device
+from common.loader import load_service_model
+from common.tp_executor import TPExecutor
 from draft_service.config import DraftConfig
 
 log = logging.getLogger("specsplit.draft")
@@ -46,17 +45,13 @@ class DraftRunner:
 
     def __init__(self, comm: Comm, config: DraftConfig):
         self.config = config
-        self.device = rank_device(config.device, comm.rank)
-        self.model = load_model(
-            config.model,
+        self.device, self.model = load_service_model(
+            config,
             comm,
-            device=self.device,
-            dtype=DTYPES[config.dtype],
             markov_head_mode=config.markov_head_mode,
             use_local_argmax_reduction=config.use_local_argmax_reduction
             and config.draft_sampling == "greedy",
             draft_sampling=config.draft_sampling,
-            progress=comm.rank == 0 and config.log_format == "text",
         )
         # Room for the drafted tokens and a draft-ahead round past the context limit.
         self.max_len = config.max_context_length + 2 * config.max_speculative_tokens + 4

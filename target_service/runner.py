@@ -22,15 +22,14 @@ import numpy as np
 import torch
 
 from common.batch import pack
-from common.config import DTYPES
 from common.cuda_graphs import buckets, capture, warm_eager_shapes
 from common.distributed import Comm, add_comm_stats
 from common.kernels.fused import eager_shapes
 from common.kernels.rejection import verify
 from common.kernels.rejection_ref import verify_reference
 from common.kv_cache import KVCache
-from common.loader import load_model
-from common.tp_executor import TPExecutor, rank_device
+from common.loader import load_service_model
+from common.tp_executor import TPExecutor
 from target_service.config import TargetConfig
 
 log = logging.getLogger("specsplit.target")
@@ -155,14 +154,7 @@ class TargetRunner:
     def __init__(self, comm: Comm, config: TargetConfig):
         self.config = config
         self.comm = comm
-        self.device = rank_device(config.device, comm.rank)
-        self.model = load_model(
-            config.model,
-            comm,
-            device=self.device,
-            dtype=DTYPES[config.dtype],
-            progress=comm.rank == 0 and config.log_format == "text",
-        )
+        self.device, self.model = load_service_model(config, comm)
         mc = self.model.config
         self.max_context = min(config.max_context_length, mc.max_position_embeddings)
         # Padding of a verify row may run k+1 positions past the longest allowed sequence.

@@ -124,7 +124,8 @@ class Streamer:
         req.held_text += delta.text
         if delta.stopped:
             req.cancelled = "stop_string"
-        due = not req.first_token or len(req.held_ids) >= self.interval or delta.stopped
+        # Interval 1 sends whatever the detokenizer released, text without ids too (as before the flag).
+        due = self.interval == 1 or not req.first_token or len(req.held_ids) >= self.interval or delta.stopped
         if not (due and (req.held_ids or req.held_text)):
             return 0
         sent = len(req.held_ids)
