@@ -291,6 +291,7 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
     for mode in args.modes:
         extra = [] if mode == "plain" else ["--draft-address", draft.address, "--speculation-policy", mode]
         extra += ["--log-level", getattr(args, "target_log_level", "INFO")]
+        extra += getattr(args, "target_args", "").split()
         targets[mode] = start_service(
             "target_service",
             ["--model", str(target_dir), *common, "--tp-size", str(args.target_tp_size),
@@ -392,6 +393,7 @@ def main() -> int:
     ap.add_argument(
         "--draft-args", default="", help="extra draft flags, e.g. '--no-use-local-argmax-reduction'"
     )
+    ap.add_argument("--target-args", default="", help="extra target flags, e.g. '--stream-interval 4'")
     ap.add_argument("--target-log-level", default="INFO",
                     help="DEBUG: targets log phase times and the policy's costs every 256 steps")  # fmt: skip
     ap.add_argument("--draft-markov-rank", type=int, default=0, help="draft Markov head rank")

@@ -6,13 +6,13 @@
 #   call 1  carry .whl .gguf/c1:  bench/device_real.sh part
 #   call 2  carry .whl .gguf/c2:  bench/device_real.sh part
 #   call 3  carry .whl .gguf/c3:  bench/device_real.sh call3
-#           = part, then start-train (drafts/smollm2-135m-instruct/train.sh in the background on GPU 1,
+#           = part, then start-train (drafts/smollm2-135m-instruct/train.sh in the background on GPU $TRAIN_GPU (0),
 #             then the real-pair bench of the new draft there), then bench-old (the real-pair bench of the
 #             shipped draft on GPU 0, in the foreground) -> $OUT/real-old.{json,txt}
 #   call 4  (no carry):                                    bench/device_real.sh finish
 #           = waits for the background pipeline (at most WAIT_S seconds), then packs its results into
 #             $OUT: results.tgz.part-* (rejoin: cat results.tgz.part-* > results.tgz), summary.txt,
-#             real-new.json (the shipped 3-layer draft), eval-L3m32.json, bench_draft.json.
+#             real-new.json (the best new draft), eval-L3m32.json, eval-L3m0.json, eval-L3m32lr.json, bench_draft.json.
 # State between calls lives in /tmp (site packages, GGUF parts, the run): the machine must stay warm.
 # `check-cpu` runs the same pipeline on CPU at a tiny scale (what was tested before handing it over).
 set -uo pipefail
@@ -63,6 +63,17 @@ need_gguf() {
   [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'part' with every part first)"; return 4; }
 }
 
+# The draft to ship: of the runs with a Markov head, the one with the higher held-out alpha at k = 4
+# (train.sh; every run is reported).
+best_draft() {
+  $PY -c 'import json, sys
+runs = {}
+for d in sys.argv[2:]:
+    try: runs[d] = json.load(open(f"{sys.argv[1]}/run/{d}/eval.json"))["drafts"]["trained_markov"]["k4"]["alpha"]
+    except OSError: pass
+print(max(runs, key=runs.get) if runs else "L3m32")' "$R" L3m32 L3m32lr
+}
+
 # Runs in the background from a private copy of the tree (the next call refreshes the working tree).
 train_bg() {
   local t0=$SECONDS
@@ -71,8 +82,8 @@ train_bg() {
     | grep --line-buffered -v 'it/s\]\|s/it\]'
   local rc=${PIPESTATUS[0]}
   echo "== train.sh rc=$rc after $((SECONDS - t0)) s $(date +%T)"
-  local shipped=$R/run/L3m32/draft  # the shipped recipe's draft (train.sh); older runs: the 2-layer one
-  [[ -f $shipped/model.safetensors ]] || shipped=$R/run/markov32/draft
+  local shipped
+  shipped=$R/run/$(best_draft)/draft
   if [[ -f $shipped/model.safetensors ]]; then
     $PY bench/bench_real.py --target "$GGUF" --draft "$shipped" --device cuda \
       --logs "$R/logs-new" --out "$R/real-new.json" > "$R/real-new.txt" 2>&1
@@ -87,7 +98,7 @@ start_train() {
   if [[ -d $R/src ]]; then echo "$R exists: the pipeline was started already"; return 0; fi
   mkdir -p "$R/src"
   tar --exclude=./.gguf --exclude=./.whl --exclude=./.git -cf - . | tar -xf - -C "$R/src"
-  (cd "$R/src" && CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-1} OMP_NUM_THREADS=4 R=$R SITE=$SITE \
+  (cd "$R/src" && CUDA_VISIBLE_DEVICES=${TRAIN_GPU:-0} OMP_NUM_THREADS=4 R=$R SITE=$SITE \
     setsid nohup bash bench/device_real.sh train-bg > "$R/pipeline.log" 2>&1 < /dev/null &)
   sleep 20
   echo "== pipeline started (log $R/pipeline.log):"
@@ -114,17 +125,19 @@ finish() {
   [[ -f $R/DONE ]] || echo "== NOT DONE after $waited s: packing what exists (call finish again)"
   cd "$R" || return 1
   local keep=(pipeline.log real-new.json real-new.txt run/bench_draft.json)
-  for d in run/L3m32 run/L4m0 run/markov32 run/markov0 run/data-run; do
+  for d in run/L3m32 run/L3m0 run/L3m32lr run/data-run; do
     keep+=("$d/train.log" "$d/eval.json" "$d/draft/config.json")
   done
-  keep+=(run/L3m32/draft/model.safetensors)
+  local best
+  best=$(best_draft)
+  echo "== best draft: $best" && keep+=("run/$best/draft/model.safetensors")
   local present=()
   for f in "${keep[@]}"; do [[ -f $f ]] && present+=("$f"); done
   tail -n 20 logs-new/*.log > service-logs-tail.txt 2>/dev/null && present+=(service-logs-tail.txt)
   tar czf /tmp/results.tgz "${present[@]}" && split -b 15M /tmp/results.tgz "$OUT/results.tgz.part-"
   for f in real-new.json run/bench_draft.json; do [[ -f $f ]] && cp "$f" "$OUT/"; done
   # $OUT brings back at most 8 files: the other runs' eval.json travel in the tarball.
-  [[ -f run/L3m32/eval.json ]] && cp run/L3m32/eval.json "$OUT/eval-L3m32.json"
+  for d in L3m32 L3m0 L3m32lr; do [[ -f run/$d/eval.json ]] && cp "run/$d/eval.json" "$OUT/eval-$d.json"; done
   { echo "DONE: $(cat DONE 2>/dev/null || echo no)"; sha256sum /tmp/results.tgz; tail -n 80 pipeline.log; } \
     > "$OUT/summary.txt"
   cat "$OUT/summary.txt"

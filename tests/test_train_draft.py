@@ -160,3 +160,30 @@ def test_shipped_smollm2_draft_loads_from_the_gguf_and_keeps_its_acceptance() ->
         matches = match_flags(draft, given["prompts"], given["answers"], use_markov=use_markov)
         for k in (2, 4, 6):
             assert acceptance(matches, k).as_dict() == recorded[name][f"k{k}"], (name, k)
+
+
+# The subject of each held-out prompt, as words no training prompt may contain (whole words, any case).
+HELD_OUT_SUBJECTS = {
+    "refrigerator": "refrigerators?", "autumn leaves": "autumn|leaves", "resume": "resumes?",
+    "sorted lists": "merges?|merging", "weather": "weather", "butterfly": "butterfl(y|ies)",
+    "restaurant": "restaurants?|waiters?", "planets": "planets?|solar system", "bicycle": "bicycles?|bikes?",
+    "palindrome": "palindromes?", "inflation": "inflation", "Olympics": "olympics?", "dog": "dogs?",
+    "public speaking": "public speaking", "DNA": "dna", "orders per customer": "orders",
+    "exercise": "exercises?", "sky": "sky", "tomato soup": "tomato(es)?|soups?", "tennis": "tennis",
+    "Pythagoras": "pythagore(an|as)", "limerick": "limericks?", "cat": "cats?",
+    "airplanes": "airplanes?|aeroplanes?", "Romeo and Juliet": "romeo|juliet",
+}  # fmt: skip
+
+
+def test_held_out_subjects_appear_in_no_training_prompt() -> None:
+    import re
+
+    training = builtin_prompts.training_prompts()
+    assert len(training) == len(set(training)) > 6000
+    assert not set(training) & set(builtin_prompts.held_out_prompts())
+    for subject, words in HELD_OUT_SUBJECTS.items():
+        pattern = re.compile(rf"\b({words})\b", re.IGNORECASE)
+        # power: the pattern finds its held-out prompt
+        assert any(pattern.search(p) for p in builtin_prompts.held_out_prompts()), subject
+        hits = [p for p in training if pattern.search(p)]
+        assert not hits, (subject, hits[:3])
