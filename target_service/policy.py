@@ -264,6 +264,15 @@ class ModeGate:
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
         self.state: dict[int, _Window] = {}
 
+    def describe(self) -> str:
+        """Per bucket: the current mode and the measured rates on / off, tokens per second (the log)."""
+        out = []
+        for b, w in sorted(self.state.items()):
+            on, off = (self.rate.get((b, m)) for m in (True, False))
+            rates = "/".join("?" if r is None else f"{r:.0f}" for r in (on, off))
+            out.append(f"B<={b} {'on' if w.on else 'off'} (on/off {rates} tok/s, window {w.windows})")
+        return ", ".join(out)
+
     def want(self, batch: int, default: bool = True) -> bool:
         return self.state.setdefault(self.costs.bucket(batch), _Window(default)).on
 

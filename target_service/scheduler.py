@@ -451,6 +451,8 @@ class Scheduler:
             log.debug("policy costs (bucket, k): %s", self.costs.describe())
             if self.learn_costs:
                 log.debug("policy at B=%d: %s", len(batch), self.policy.explain(batch))
+                gates = {"speculate": self.policy.gate, "branches": self.branch_gate}
+                log.debug("gates: %s", "; ".join(f"{n} {g.describe()}" for n, g in gates.items() if g))
             self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)
 
     def _learn_costs(self, batch: int, width: int, wall: float, verify: float) -> None:

@@ -167,6 +167,10 @@ def test_gate_per_batch_bucket():
         gate.observe(1, 4, 4 / (1500.0 if gate.want(1) else 1000.0))
         gate.observe(4, 16, 16 / (3000.0 if gate.want(4) else 4000.0))
     assert gate.rate[(1, True)] > gate.rate[(1, False)] and gate.rate[(4, True)] < gate.rate[(4, False)]
+    # The log line: each bucket's mode now and its measured rates (on/off), smoothed over windows.
+    text = gate.describe()
+    assert text.startswith("B<=1 on (on/off 1500/1000 tok/s, window ")
+    assert ", B<=4 off (on/off 3000/4000 tok/s, window " in text
 
 
 def test_explain_gives_each_k_its_seconds_source_and_rate():
