@@ -17,7 +17,8 @@ timing, then real steps; an unmeasured width counts as the nearest measured one 
 policy tries it once), the draft wait at that k (steady exchanges only: an ask that starts a request
 or catches the draft up costs a prefill, not a round) and the host residue (a timed step less those
 two). Draft wait and residue come from the nearest k and the nearest bucket measured; with none at all
-the draft counts as free, so a new service speculates and learns.
+the draft counts as free, so a new service speculates and learns. A timed k the policy has stopped
+choosing is re-timed now and then (REFRESH_AGE), so a figure from the warm-up does not hold it off.
 
 Whether to speculate at all is measured, not estimated: per batch bucket a `ModeGate` runs windows of
 16 steps with speculation on (the model's best k >= 1) or off (k = 0), compares their output tokens per
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +48,11 @@ FIXED, ADAPTIVE = "fixed", "adaptive"
 # k = 0: the draft may still be running the round it started after its last answer (draft-ahead: 5.3 ms
 # on GPUs it shared with the target at TP=2, against a 2.7 ms plain step).
 PLAIN_SETTLE = 2
+# A timed k that the policy stops choosing keeps its old median, which may date from the warm-up (on one
+# H200 at B=1 the k = 4 entry said 7.0 ms while steady k = 4 steps took 5.0: the policy sat at k = 3, below
+# fixed k = 4). So once a timed k within REFRESH_WITHIN of the best estimated goodput has gone REFRESH_AGE
+# steady steps at its bucket without a sample, it runs REFRESH_STEPS steps and its old samples are dropped.
+REFRESH_AGE, REFRESH_STEPS, REFRESH_WITHIN = 64, 4, 0.6
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -82,6 +89,8 @@ class StepCosts:
         self.draft = Medians(window)  # (bucket, k) -> the wait for the draft's answer
         self.step = Medians(window)  # (bucket, k) -> a whole steady step
         self.residue = Medians(window)  # bucket -> a step's wall less its verify and draft wait
+        self.steps_at: collections.Counter = collections.Counter()  # bucket -> steady steps timed
+        self.timed_at: dict[tuple[int, int], int] = {}  # (bucket, k) -> steps_at[bucket] at its last
 
     def bucket(self, batch: int) -> int:
         i = bisect.bisect_left(self.batch_buckets, batch)
@@ -101,6 +110,20 @@ class StepCosts:
         b = self.bucket(batch)
         self.step.observe((b, k), seconds)
         self.residue.observe(b, max(0.0, seconds - verify - draft_wait))
+        self.steps_at[b] += 1
+        self.timed_at[b, k] = self.steps_at[b]
+
+    def age(self, batch: int, k: int) -> float:
+        """Steady steps timed at this bucket since k's last sample there (inf: never timed)."""
+        b = self.bucket(batch)
+        last = self.timed_at.get((b, k))
+        return math.inf if last is None else self.steps_at[b] - last
+
+    def restart(self, batch: int, k: int) -> None:
+        """k's next samples at this bucket replace its old ones (its median stays until the first)."""
+        b = self.bucket(batch)
+        self.step.recent.pop((b, k), None)
+        self.timed_at[b, k] = self.steps_at[b]
 
     @staticmethod
     def _nearest_below(table: dict, b: int, n: int) -> float | None:
@@ -172,6 +195,7 @@ class SpeculationPolicy:
         # Speculation on or off per batch bucket, by measured throughput (None: the model decides).
         self.gate = ModeGate(costs) if gate and mode == ADAPTIVE else None
         self.gated = False
+        self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
 
     @property
     def prior_alpha(self) -> float:
@@ -196,12 +220,34 @@ class SpeculationPolicy:
             goodput.append(tokens[k] / max(seconds, 1e-9))
         best_k = max(range(max_k + 1), key=goodput.__getitem__)
         self.gated = self.gate is not None
-        if self.gate is None:
-            return best_k
-        if not self.gate.want(len(batch), default=best_k > 0):
-            return 0
-        # On: the model's best k >= 1 (measured windows may say speculation pays where the model says not).
-        return max(range(1, max_k + 1), key=goodput.__getitem__)
+        if self.gate is not None:
+            if not self.gate.want(len(batch), default=best_k > 0):
+                return 0
+            # On: the model's best k >= 1 (measured windows may say speculation pays where the model says
+            # not).
+            best_k = max(range(1, max_k + 1), key=goodput.__getitem__)
+        return self._refresh(len(batch), best_k, goodput) if best_k else 0
+
+    def _refresh(self, batch: int, best: int, goodput: list[float]) -> int:
+        """`best`, or a close rival k whose timing has gone stale (REFRESH_AGE), for REFRESH_STEPS steps."""
+        b = self.costs.bucket(batch)
+        k, left = self.refreshing.get(b, (0, 0))
+        if left > 0 and k < len(goodput):
+            self.refreshing[b] = (k, left - 1)
+            return k
+        stale = [
+            k
+            for k in range(1, len(goodput))
+            if k != best
+            and goodput[k] >= REFRESH_WITHIN * goodput[best]
+            and REFRESH_AGE < self.costs.age(batch, k) < math.inf  # untimed: the parts estimate it
+        ]
+        if not stale:
+            return best
+        k = max(stale, key=lambda k: self.costs.age(batch, k))
+        self.costs.restart(batch, k)
+        self.refreshing[b] = (k, REFRESH_STEPS - 1)
+        return k
 
     def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
         """One step's output tokens and wall time (the gate's windows; not steps no request could

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from target_service import policy as policy_module
 from target_service.detok import StreamDetokenizer
 from target_service.policy import ModeGate, SpeculationPolicy, StepCosts, expected_tokens
 from target_service.request import Request, check_stop
@@ -216,6 +217,41 @@ def test_measured_windows_overrule_the_model_both_ways():
     assert 0.85 <= sum(k == 4 for k in late) / len(late) < 1.0
     # Without the gate the model alone decides: plain throughout (the power of the check above).
     assert set(_gated_choices(SpeculationPolicy("adaptive", c, gate=False), batch, lambda k: 2e-3)) == {0}
+
+
+def _stale_k4_run(policy: SpeculationPolicy, c: StepCosts, steps: int = 400) -> list[int]:
+    true = {0: 2e-3, 1: 6e-3, 2: 6e-3, 3: 4.3e-3, 4: 4.0e-3}  # steady whole steps at each k
+    batch, chosen = reqs(1, alpha=0.8), []
+    for _ in range(steps):
+        k = policy.choose(batch)
+        chosen.append(k)
+        c.observe_step(1, k, true[k], verify=1e-3, draft_wait=0.0)
+    return chosen
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_a_stale_timing_is_refreshed(gate, monkeypatch):
+    # k = 4 was timed at 7 ms in the warm-up and never chosen again (what one H200 showed at B=1: 7.0 ms
+    # logged, 5.0 ms steady); steady k = 4 steps take 4.0 ms, k = 3 steps 4.3 ms. The policy starts at
+    # k = 3 on the stale figure, re-times k = 4 after REFRESH_AGE steps and keeps it.
+    def fresh_costs() -> StepCosts:
+        c = costs(1, {w: 1e-3 for w in range(1, 6)})
+        for k, seconds in {0: 2e-3, 1: 6e-3, 2: 6e-3, 4: 7e-3, 3: 4.3e-3}.items():
+            c.observe_step(1, k, seconds, verify=1e-3, draft_wait=0.0)
+        return c
+
+    c = fresh_costs()
+    chosen = _stale_k4_run(SpeculationPolicy("adaptive", c, gate=gate), c)
+    assert chosen[:16] == [3] * 16
+    first_k4 = chosen.index(4)
+    assert policy_module.REFRESH_AGE <= first_k4 <= policy_module.REFRESH_AGE + 20, first_k4
+    late = chosen[first_k4 + policy_module.REFRESH_STEPS :]
+    # k = 4 from then on, but for the refreshes of k = 3 (4 steps in about every 68)
+    assert sum(k == 4 for k in late) / len(late) >= 0.85, chosen
+    # Power: without refreshes the stale figure holds k = 3 throughout (with the gate: or k = 0).
+    monkeypatch.setattr(policy_module, "REFRESH_AGE", 10**9)
+    c = fresh_costs()
+    assert 4 not in _stale_k4_run(SpeculationPolicy("adaptive", c, gate=gate), c)
 
 
 def test_steps_without_speculating_requests_do_not_count_in_the_gate():
