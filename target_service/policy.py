@@ -211,6 +211,9 @@ class SpeculationPolicy:
         self.gated = False  # the step this chooses for is one of the gate's (observe_step)
         if self.mode == FIXED or max_k == 0:
             return max_k
+        if self.gate is not None and self.gate.mode(len(batch)) is False:
+            self.gated = True  # off for this window: no estimate needed (a plain step's host time)
+            return 0
         tokens = self.batch_tokens(batch, max_k)
         goodput = []
         for k in range(max_k + 1):
@@ -290,6 +293,9 @@ class _Window:
     tokens: int = 0
     seconds: float = 0.0
     windows: int = 0
+    since: int = 0  # windows since the other mode was last tried
+    every: int = 0  # windows between tries of the other mode (0: not yet set)
+    trying: bool = False  # this window tries the other mode
 
 
 class ModeGate:
@@ -301,12 +307,24 @@ class ModeGate:
     draft and the target both TP=2 on both, a branch round took 5.6 ms against a 2.7 ms plain step. So
     the target runs windows of `window` steps with the mode on or off, compares output tokens per second
     of each (the first `settle` steps of a window are not counted: a switch takes a step to show), keeps
-    the better and tries the other every `explore_every` windows. A bucket's first window is `default`.
+    the better and tries the other after `explore_every` windows. A bucket's first window is `default`.
+    Each try the other mode loses doubles the wait before the next (up to `max_explore_every` windows): a
+    try costs a window in the worse mode, and a clear loser need not be re-checked every 16 windows. The
+    mode in use is measured in every window, so a drop in its own rate switches at once (and the waits
+    start over); only a rise of the other waits for a try.
     """
 
-    def __init__(self, costs: StepCosts, window: int = 16, settle: int = 2, explore_every: int = 16):
+    def __init__(
+        self,
+        costs: StepCosts,
+        window: int = 16,
+        settle: int = 2,
+        explore_every: int = 16,
+        max_explore_every: int = 64,
+    ):
         self.costs = costs
-        self.window, self.settle, self.explore_every = window, settle, explore_every
+        self.window, self.settle = window, settle
+        self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
         self.state: dict[int, _Window] = {}
 
@@ -318,6 +336,11 @@ class ModeGate:
             rates = "/".join("?" if r is None else f"{r:.0f}" for r in (on, off))
             out.append(f"B<={b} {'on' if w.on else 'off'} (on/off {rates} tok/s, window {w.windows})")
         return ", ".join(out)
+
+    def mode(self, batch: int) -> bool | None:
+        """The bucket's mode now (None: no window there yet)."""
+        w = self.state.get(self.costs.bucket(batch))
+        return None if w is None else w.on
 
     def want(self, batch: int, default: bool = True) -> bool:
         return self.state.setdefault(self.costs.bucket(batch), _Window(default)).on
@@ -336,10 +359,21 @@ class ModeGate:
         rate = w.tokens / w.seconds
         self.rate[key] = rate if key not in self.rate else 0.5 * self.rate[key] + 0.5 * rate
         on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
-        windows = w.windows + 1
+        every = w.every or self.explore_every
         if on is None or off is None:
-            nxt = on is None
-        else:
-            best = on >= off
-            nxt = (not best) if windows % self.explore_every == 0 else best
-        self.state[bucket] = _Window(nxt, windows=windows)
+            self.state[bucket] = _Window(on is None, windows=w.windows + 1, every=every)
+            return
+        best = on >= off
+        if best != (w.on != w.trying):  # the better mode changed (a try runs the other one): start over
+            every, since = self.explore_every, 0
+        else:  # the same: a try that lost again waits twice as long for the next
+            every = min(2 * every, self.max_explore_every) if w.trying else every
+            since = w.since + 1
+        trying = since >= every
+        self.state[bucket] = _Window(
+            (not best) if trying else best,
+            windows=w.windows + 1,
+            since=0 if trying else since,
+            every=every,
+            trying=trying,
+        )

@@ -162,6 +162,27 @@ def test_gate_keeps_the_faster_mode_and_still_tries_the_other():
     assert 0.0 < sum(late) / len(late) <= 0.15
 
 
+def test_gate_tries_a_losing_mode_less_often_and_follows_a_change_at_once():
+    # Branches 1.5x faster: the other mode is tried after 16 windows, then 32, then every 64 (its cap).
+    gate = ModeGate(StepCosts([1, 2, 4]))
+    modes = []
+    for step in range(16 * 200):
+        on = gate.want(1)
+        modes.append(on)
+        if step < 16 * 150:
+            rate = 1500.0 if on else 1000.0
+        else:  # the world changes: branches now slow the step down
+            rate = 700.0 if on else 1000.0
+        gate.observe(1, 4, 4 / rate)
+    windows = [modes[i] for i in range(0, len(modes), 16)]  # one mode per window
+    tries = [i for i, on in enumerate(windows[:150]) if not on]
+    assert tries == [1, 18, 50, 114], tries  # the first measure, then 16, 32 and 64 windows on
+    # The mode in use is measured every window: once it is slower, off within two windows, and it stays
+    # off (on is tried again after 16 windows: the reset after the switch).
+    assert windows[150:153] == [True, True, False] and windows[153:168] == [False] * 15
+    assert windows[168] is True and windows[169:] == [False] * 31
+
+
 def test_gate_per_batch_bucket():
     gate = ModeGate(StepCosts([1, 2, 4]))
     for _ in range(64):  # bucket 1: on wins; bucket 4: off wins

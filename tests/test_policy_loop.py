@@ -89,6 +89,7 @@ def test_slow_draft_without_the_gate_stays_speculative(case, monkeypatch):
     # The power of the test above: with the model alone (the gate following it), k = 0's estimate stays
     # too high and the policy keeps speculating at ~0.7x plain (what the TP=2 pair did at k = 3.9).
     monkeypatch.setattr(ModeGate, "want", lambda self, batch, default=True: default)
+    monkeypatch.setattr(ModeGate, "mode", lambda self, batch: None)
     widths = widths_after_warm_up(**SLOW, **SLOW_CASES[case])
     plain = sum(w == 1 for w in widths)
     assert plain < 0.2 * len(widths), (plain, len(widths))
