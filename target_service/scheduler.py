@@ -25,10 +25,12 @@ from specsplit.v1 import target_pb2
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
 from target_service.draft_session import DraftSession, Proposal, checked_proposal
+from target_service.gate import ModeGate
 from target_service.logprobs import add_pending_logprobs
-from target_service.policy import ADAPTIVE, PLAIN_SETTLE, ModeGate, SpeculationPolicy, StepCosts
+from target_service.policy import ADAPTIVE, SpeculationPolicy
 from target_service.request import FINISH, Request, Status, check_stop
 from target_service.runner import StepRow, TargetRunner
+from target_service.step_costs import PLAIN_SETTLE, StepCosts
 
 __all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposal"]
 

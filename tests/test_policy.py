@@ -7,8 +7,10 @@ import pytest
 
 from target_service import policy as policy_module
 from target_service.detok import StreamDetokenizer
-from target_service.policy import ModeGate, SpeculationPolicy, StepCosts, expected_tokens
+from target_service.gate import ModeGate
+from target_service.policy import SpeculationPolicy, expected_tokens
 from target_service.request import Request, check_stop
+from target_service.step_costs import StepCosts
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 # The model's tests take gate=False: the gate (measured windows, tested below) would hold the first

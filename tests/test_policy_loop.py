@@ -11,7 +11,7 @@ import time
 import pytest
 
 from bench.host_path import SimulatedDraft, SimulatedRunner, run
-from target_service.policy import ModeGate
+from target_service.gate import ModeGate
 
 PLAIN_STEP, PER_POSITION, ROUND_TRIP = 2.63e-3, 0.1e-3, 3.1e-3
 

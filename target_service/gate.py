@@ -1,0 +1,111 @@
+"""A mode on or off per batch bucket, chosen by measured output tokens per second (adaptive policy).
+
+Whether to speculate at all is measured, not estimated: per batch bucket a `ModeGate` runs windows of
+16 steps with speculation on (the model's best k >= 1) or off (k = 0), compares their output tokens per
+second, keeps the better and tries the other now and then. The model alone misjudged both ways, as
+whole steps in one mode cost what they cost only while the service stays in it: on the TP=2 H200 pair
+it kept k = 3.9 at 0.65-0.78x plain (k = 0 was never timed; its estimate, the start-up verify plus the
+host residue of speculative steps, stayed too high); once plain steps were timed, on one H200 at B=1 it
+chose k = 0 at 0.86-0.91x (speculative steps timed between plain ones missed the pipelined steady state,
+5.8 ms against 4.9, and the running acceptance read 0.51-0.65 against the 0.79 measured). The first
+window of a bucket follows the model. The scheduler runs a second gate for the draft's branches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from target_service.step_costs import StepCosts
+
+
+@dataclass
+class _Window:
+    on: bool
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    windows: int = 0
+    since: int = 0  # windows since the other mode was last tried
+    every: int = 0  # windows between tries of the other mode (0: not yet set)
+    trying: bool = False  # this window tries the other mode
+
+
+class ModeGate:
+    """A mode on or off per batch bucket, chosen by measured output (adaptive policy): speculation
+    itself (SpeculationPolicy.gate), and the draft's branches.
+
+    Branches move the draft's round off the target's critical path, but the branch round (k + 1 rows per
+    request) can outlast the target's step, or share its GPUs and slow its verify: on two H200s with the
+    draft and the target both TP=2 on both, a branch round took 5.6 ms against a 2.7 ms plain step. So
+    the target runs windows of `window` steps with the mode on or off, compares output tokens per second
+    of each (the first `settle` steps of a window are not counted: a switch takes a step to show), keeps
+    the better and tries the other after `explore_every` windows. A bucket's first window is `default`.
+    Each try the other mode loses doubles the wait before the next (up to `max_explore_every` windows): a
+    try costs a window in the worse mode, and a clear loser need not be re-checked every 16 windows. The
+    mode in use is measured in every window, so a drop in its own rate switches at once (and the waits
+    start over); only a rise of the other waits for a try.
+    """
+
+    def __init__(
+        self,
+        costs: StepCosts,
+        window: int = 16,
+        settle: int = 2,
+        explore_every: int = 16,
+        max_explore_every: int = 64,
+    ):
+        self.costs = costs
+        self.window, self.settle = window, settle
+        self.explore_every, self.max_explore_every = explore_every, max_explore_every
+        self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
+        self.state: dict[int, _Window] = {}
+
+    def describe(self) -> str:
+        """Per bucket: the current mode and the measured rates on / off, tokens per second (the log)."""
+        out = []
+        for b, w in sorted(self.state.items()):
+            on, off = (self.rate.get((b, m)) for m in (True, False))
+            rates = "/".join("?" if r is None else f"{r:.0f}" for r in (on, off))
+            out.append(f"B<={b} {'on' if w.on else 'off'} (on/off {rates} tok/s, window {w.windows})")
+        return ", ".join(out)
+
+    def mode(self, batch: int) -> bool | None:
+        """The bucket's mode now (None: no window there yet)."""
+        w = self.state.get(self.costs.bucket(batch))
+        return None if w is None else w.on
+
+    def want(self, batch: int, default: bool = True) -> bool:
+        return self.state.setdefault(self.costs.bucket(batch), _Window(default)).on
+
+    def observe(self, batch: int, tokens: int, seconds: float) -> None:
+        """One step's output tokens and wall time."""
+        bucket = self.costs.bucket(batch)
+        w = self.state.setdefault(bucket, _Window(True))
+        w.steps += 1
+        if w.steps > self.settle:
+            w.tokens += tokens
+            w.seconds += seconds
+        if w.steps < self.window or w.seconds <= 0:
+            return
+        key = (bucket, w.on)
+        rate = w.tokens / w.seconds
+        self.rate[key] = rate if key not in self.rate else 0.5 * self.rate[key] + 0.5 * rate
+        on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
+        every = w.every or self.explore_every
+        if on is None or off is None:
+            self.state[bucket] = _Window(on is None, windows=w.windows + 1, every=every)
+            return
+        best = on >= off
+        if best != (w.on != w.trying):  # the better mode changed (a try runs the other one): start over
+            every, since = self.explore_every, 0
+        else:  # the same: a try that lost again waits twice as long for the next
+            every = min(2 * every, self.max_explore_every) if w.trying else every
+            since = w.since + 1
+        trying = since >= every
+        self.state[bucket] = _Window(
+            (not best) if trying else best,
+            windows=w.windows + 1,
+            since=0 if trying else since,
+            every=every,
+            trying=trying,
+        )

@@ -1,0 +1,137 @@
+"""What a step costs, as the adaptive policy sees it: whole steps and their parts, per batch bucket.
+
+A step is measured whole: per (batch bucket, k), the median wall time of recent steady
+steps, from the step's start to the end of its commit. Parts alone mislead: on two TP=2 services the
+verify plus the draft wait said k = 4 paid at B=1 while whole steps ran 2.3x a plain step for 1.56
+tokens. A k never timed at a bucket is estimated from its parts: the verify of its width (start-up
+timing, then real steps; an unmeasured width counts as the nearest measured one below it, so the
+policy tries it once), the draft wait at that k (steady exchanges only: an ask that starts a request
+or catches the draft up costs a prefill, not a round) and the host residue (a timed step less those
+two). Draft wait and residue come from the nearest k and the nearest bucket measured; with none at all
+the draft counts as free, so a new service speculates and learns.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+import statistics
+from collections.abc import Sequence
+
+# Plain steps after a speculative one (or a fallback that waited for the draft) that are not timed as
+# k = 0: the draft may still be running the round it started after its last answer (draft-ahead: 5.3 ms
+# on GPUs it shared with the target at TP=2, against a 2.7 ms plain step).
+PLAIN_SETTLE = 2
+
+
+class Medians(dict):
+    """key -> median of the last `window` observations of that key."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+        self.recent: dict = {}
+
+    def observe(self, key, seconds: float) -> None:
+        recent = self.recent.setdefault(key, collections.deque(maxlen=self.window))
+        recent.append(seconds)
+        self[key] = statistics.median(recent)
+
+
+class StepCosts:
+    """Recent step costs, keyed by (batch bucket, width) for the verify, (batch bucket, k) for the draft
+    wait and the whole step, and batch bucket for the host residue: the median of the last `window`
+    observations, so a one-off stall (a slow draft round, a GC pause) does not swing k."""
+
+    def __init__(self, batch_buckets: Sequence[int], window: int = 16):
+        self.batch_buckets = list(batch_buckets)
+        self.verify = Medians(window)  # (bucket, width) -> the verify forward
+        self.draft = Medians(window)  # (bucket, k) -> the wait for the draft's answer
+        self.step = Medians(window)  # (bucket, k) -> a whole steady step
+        self.residue = Medians(window)  # bucket -> a step's wall less its verify and draft wait
+        self.steps_at: collections.Counter = collections.Counter()  # bucket -> steady steps timed
+        self.timed_at: dict[tuple[int, int], int] = {}  # (bucket, k) -> steps_at[bucket] at its last
+
+    def bucket(self, batch: int) -> int:
+        i = bisect.bisect_left(self.batch_buckets, batch)
+        return self.batch_buckets[min(i, len(self.batch_buckets) - 1)]
+
+    def _distance(self, a: int, b: int) -> int:
+        return abs(self.batch_buckets.index(a) - self.batch_buckets.index(b))
+
+    def observe_verify(self, batch: int, width: int, seconds: float) -> None:
+        self.verify.observe((self.bucket(batch), width), seconds)
+
+    def observe_draft(self, batch: int, k: int, seconds: float) -> None:
+        self.draft.observe((self.bucket(batch), k), seconds)
+
+    def observe_step(self, batch: int, k: int, seconds: float, verify: float, draft_wait: float) -> None:
+        """A steady step's wall time at k, and its parts (what the parts miss is the host residue)."""
+        b = self.bucket(batch)
+        self.step.observe((b, k), seconds)
+        self.residue.observe(b, max(0.0, seconds - verify - draft_wait))
+        self.steps_at[b] += 1
+        self.timed_at[b, k] = self.steps_at[b]
+
+    def age(self, batch: int, k: int) -> float:
+        """Steady steps timed at this bucket since k's last sample there (inf: never timed)."""
+        b = self.bucket(batch)
+        last = self.timed_at.get((b, k))
+        return math.inf if last is None else self.steps_at[b] - last
+
+    def restart(self, batch: int, k: int) -> None:
+        """k's next samples at this bucket replace its old ones (its median stays until the first)."""
+        b = self.bucket(batch)
+        self.step.recent.pop((b, k), None)
+        self.timed_at[b, k] = self.steps_at[b]
+
+    @staticmethod
+    def _nearest_below(table: dict, b: int, n: int) -> float | None:
+        known = [(m, s) for (bb, m), s in table.items() if bb == b and m <= n]
+        return max(known)[1] if known else None
+
+    def verify_seconds(self, batch: int, width: int) -> float | None:
+        b = self.bucket(batch)
+        seconds = self.verify.get((b, width))  # the common case: no scan of the table (every step)
+        return seconds if seconds is not None else self._nearest_below(self.verify, b, width)
+
+    def draft_seconds(self, batch: int, k: int) -> float:
+        """The wait for a k-token proposal; an unmeasured k costs what the nearest measured k did (the
+        wait is mostly the fixed round trip, not the k draft positions), at the nearest batch bucket
+        measured (a bucket met for the first time would otherwise take the draft as free)."""
+        b = self.bucket(batch)
+        if k == 0:
+            return 0.0
+        if (b, k) in self.draft:
+            return self.draft[b, k]
+        known = [(self._distance(bb, b), abs(m - k), s) for (bb, m), s in self.draft.items()]
+        return min(known)[2] if known else 0.0
+
+    def residue_seconds(self, batch: int) -> float:
+        """The host residue of a step at this bucket, or at the nearest bucket that has one."""
+        b = self.bucket(batch)
+        if b in self.residue:
+            return self.residue[b]
+        known = [(self._distance(bb, b), s) for bb, s in self.residue.items()]
+        return min(known)[1] if known else 0.0
+
+    def step_seconds(self, batch: int, k: int) -> float | None:
+        """A whole step at k: timed, or its parts plus the bucket's host residue (None: no verify cost
+        at or below width k + 1 is known for this batch)."""
+        b = self.bucket(batch)
+        if (b, k) in self.step:
+            return self.step[b, k]
+        verify = self.verify_seconds(batch, k + 1)
+        if verify is None:
+            return None
+        return verify + self.draft_seconds(batch, k) + self.residue_seconds(batch)
+
+    def describe(self) -> str:
+        """Each timed (bucket, k): whole step ms, then verify + draft wait + residue ms (for the log)."""
+        out = []
+        for (b, k), seconds in sorted(self.step.items()):
+            verify = self.verify_seconds(b, k + 1) or 0.0
+            parts = (verify, self.draft_seconds(b, k), self.residue_seconds(b))
+            out.append(f"({b},{k}) {seconds * 1e3:.2f} = " + " + ".join(f"{p * 1e3:.2f}" for p in parts))
+        return "; ".join(out)
