@@ -29,7 +29,14 @@ from common.loader import load_model, load_tokenizer
 from common.models.transformer import Transformer
 from common.training import prompts as builtin_prompts
 from common.training.draft import build_draft, draft_config
-from common.training.measure import acceptance, draft_step_seconds, match_flags, target_texts
+from common.training.measure import (
+    acceptance,
+    agreement_by_confidence,
+    draft_step_seconds,
+    match_flags,
+    target_confidence,
+    target_texts,
+)
 from common.training.train_draft import eos_ids, parse_ints, prompt_ids
 
 
@@ -70,9 +77,12 @@ def measure_acceptance(args, target, drafts) -> dict:
         prompts = prompt_ids(tokenizer, texts, chat)
         answers = target_texts(target, prompts, args.max_new_tokens, eos_ids(tokenizer, target))
     out = {"prompts": len(prompts), "answer_tokens": sum(map(len, answers)), "drafts": {}}
+    confidence = target_confidence(target, prompts, answers) if args.by_confidence else None
     for name, (model, use_markov) in drafts.items():
         matches = match_flags(model, prompts, answers, use_markov)
         out["drafts"][name] = {f"k{k}": acceptance(matches, k).as_dict() for k in args.k}
+        if confidence is not None:
+            out["drafts"][name]["by_target_confidence"] = agreement_by_confidence(matches, confidence)
     return out
 
 
@@ -99,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help='JSON {"prompts": [[ids]], "answers": [[ids]]} instead of generating them',
+    )
+    ap.add_argument(
+        "--by-confidence",
+        action="store_true",
+        help="also the agreement among positions grouped by the target's own probability of its token",
     )
     ap.add_argument("--step-time", action="store_true", help="also time one draft step per draft")
     ap.add_argument("--iters", type=int, default=200)

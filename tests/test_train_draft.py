@@ -187,3 +187,34 @@ def test_held_out_subjects_appear_in_no_training_prompt() -> None:
         assert any(pattern.search(p) for p in builtin_prompts.held_out_prompts()), subject
         hits = [p for p in training if pattern.search(p)]
         assert not hits, (subject, hits[:3])
+
+
+def test_target_confidence_and_agreement_by_confidence(tmp_path: Path) -> None:
+    from common.kv_cache import KVCache
+    from common.models.generate import forward_rows
+    from common.training.measure import agreement_by_confidence, target_confidence
+
+    target = load_model(make_tiny_model(tmp_path / "t", seed=1, num_layers=2, vocab_size=256), Comm())
+    prompts = [[1, 5, 9], [2, 7]]
+    answers = target_texts(target, prompts, 6, set())
+    got = target_confidence(target, prompts, answers)
+    # Reference: each answer token's probability from a fresh forward over its own prefix (no teacher
+    # forcing); on the target's greedy text that is the top-1 probability.
+    for prompt, answer, conf in zip(prompts, answers, got):
+        assert conf.shape == (len(answer),)
+        for j in range(len(answer)):
+            prefix = prompt + answer[:j]
+            hidden = forward_rows(target, KVCache.for_model(target, 1, len(prefix)), [0], [0], [prefix])
+            probs = torch.softmax(target.compute_logits(hidden[0, -1:]).float(), -1)[0]
+            assert float(conf[j]) == pytest.approx(float(probs.max()), abs=1e-5)
+            assert float(conf[j]) == pytest.approx(float(probs[answer[j]]), abs=1e-6)
+
+    # Grouping: 4 positions at p 0.2 (1 match), 2 at 0.6 (2 matches), 2 at 1.0 (0 matches).
+    matches = [torch.tensor([True, False, False, False, True, True, False, False])]
+    conf = [torch.tensor([0.2, 0.2, 0.2, 0.2, 0.6, 0.6, 1.0, 1.0])]
+    rows = {r["target_p"]: r for r in agreement_by_confidence(matches, conf, (0.0, 0.5, 0.9, 1.0))}
+    assert rows["0.0-0.5"] == {"target_p": "0.0-0.5", "share_of_positions": 0.5, "agreement": 0.25,
+                               "share_of_misses": 0.6}  # fmt: skip
+    assert rows["0.5-0.9"]["agreement"] == 1.0 and rows["0.5-0.9"]["share_of_misses"] == 0.0
+    assert rows["0.9-1.0"] == {"target_p": "0.9-1.0", "share_of_positions": 0.25, "agreement": 0.0,
+                               "share_of_misses": 0.4}  # fmt: skip

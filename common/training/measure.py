@@ -12,6 +12,7 @@ Per-token acceptance α is solved from the mean accepted length: E[a] = Σ_{i=1.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -69,23 +70,62 @@ def target_texts(
     return out
 
 
+def _answer_logits(model: Transformer, prompt: list[int], answer: list[int], use_markov: bool):
+    """(logits [len(answer), V] that predict each answer token, the answer ids [len(answer)]): one
+    teacher-forced forward over prompt + answer."""
+    device = model.model.embed_tokens.weight.device
+    seq = prompt + answer
+    cache = KVCache.for_model(model, 1, len(seq))
+    ids = torch.tensor([seq], device=device)
+    positions = torch.arange(len(seq), device=device)[None]
+    hidden = model(ids, positions, torch.zeros(1, dtype=torch.int64, device=device), cache, len(seq))
+    rows = slice(len(prompt) - 1, len(seq) - 1)  # positions that predict the answer tokens
+    prev = ids[0, rows] if use_markov else None
+    return model.compute_logits(hidden[0, rows], prev), ids[0, len(prompt) :]
+
+
 @torch.inference_mode()
 def match_flags(
     draft: Transformer, prompts: list[list[int]], answers: list[list[int]], use_markov: bool
 ) -> list[Tensor]:
     """Per sequence: bool [len(answer)] — does the draft, after prompt + answer[:j], guess answer[j]?"""
     out = []
-    device = draft.model.embed_tokens.weight.device
     for prompt, answer in zip(prompts, answers):
-        seq = prompt + answer
-        cache = KVCache.for_model(draft, 1, len(seq))
-        ids = torch.tensor([seq], device=device)
-        positions = torch.arange(len(seq), device=device)[None]
-        hidden = draft(ids, positions, torch.zeros(1, dtype=torch.int64, device=device), cache, len(seq))
-        rows = slice(len(prompt) - 1, len(seq) - 1)  # positions that predict the answer tokens
-        prev = ids[0, rows] if use_markov else None
-        guess = draft.map_to_target(draft.compute_logits(hidden[0, rows], prev).argmax(-1))
-        out.append((guess == ids[0, len(prompt) :]).cpu())
+        logits, truth = _answer_logits(draft, prompt, answer, use_markov)
+        out.append((draft.map_to_target(logits.argmax(-1)) == truth).cpu())
+    return out
+
+
+@torch.inference_mode()
+def target_confidence(
+    target: Transformer, prompts: list[list[int]], answers: list[list[int]]
+) -> list[Tensor]:
+    """Per sequence: float [len(answer)], the target's own probability of answer[j] after
+    prompt + answer[:j] (its top-1 where the answer is its greedy text): how sure the target was."""
+    out = []
+    for prompt, answer in zip(prompts, answers):
+        logits, truth = _answer_logits(target, prompt, answer, use_markov=False)
+        probs = torch.softmax(logits.float(), -1)
+        out.append(probs.gather(-1, truth[:, None])[:, 0].cpu())
+    return out
+
+
+def agreement_by_confidence(
+    matches: list[Tensor], confidence: list[Tensor], edges: tuple[float, ...] = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+) -> list[dict]:
+    """The draft's agreement among the positions where the target's confidence lies in each range: are
+    the misses the tokens the target itself was unsure of?"""
+    m, c = torch.cat(matches), torch.cat(confidence)
+    out = []
+    for i, (lo, hi) in enumerate(itertools.pairwise(edges)):
+        inside = (c >= lo) & ((c < hi) if i < len(edges) - 2 else (c <= hi))
+        n = int(inside.sum())
+        out.append({
+            "target_p": f"{lo:.1f}-{hi:.1f}",
+            "share_of_positions": round(n / max(1, len(c)), 4),
+            "agreement": round(float(m[inside].float().mean()) if n else 0.0, 4),
+            "share_of_misses": round(int((~m & inside).sum()) / max(1, int((~m).sum())), 4),
+        })  # fmt: skip
     return out
 
 
