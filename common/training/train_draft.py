@@ -300,24 +300,25 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperatures", type=parse_floats, default=[0.0, 0.7, 1.0])
     ap.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt at each T > 0")
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N training prompts")
-    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=16, help="target probabilities kept per position")
     ap.add_argument(
         "--data-dir", type=Path, default=None, help="data parts (default RUN_DIR/data; share between runs)"
     )
-    ap.add_argument("--gen-batch-size", type=int, default=64)
+    ap.add_argument("--gen-batch-size", type=int, default=256)
     ap.add_argument(
         "--no-chat", action="store_true", help="plain prompts even when the target has a template"
     )
     # training
-    ap.add_argument("--steps", type=int, default=1000)
-    ap.add_argument("--batch-size", type=int, default=32, help="sequences per step")
-    ap.add_argument("--max-len", type=int, default=512, help="tokens per sequence in training (cut)")
-    # 2e-3: the best of 5e-4, 1e-3 and 2e-3 for a 3-layer SmolLM2 draft (drafts/smollm2-135m-instruct)
+    ap.add_argument("--steps", type=int, default=3500)
+    ap.add_argument("--batch-size", type=int, default=48, help="sequences per step")
+    ap.add_argument("--max-len", type=int, default=384, help="tokens per sequence in training (cut)")
+    # The training defaults are the shipped SmolLM2 draft's (drafts/smollm2-135m-instruct/train.sh); lr
+    # 2e-3 was the best of 5e-4, 1e-3 and 2e-3 there.
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate of the draft's layers")
     ap.add_argument("--markov-lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.0)
-    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=150)
     ap.add_argument(
         "--train-shared",
         action="store_true",
