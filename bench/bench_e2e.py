@@ -395,7 +395,7 @@ def main() -> int:
     )
     ap.add_argument("--target-args", default="", help="extra target flags, e.g. '--stream-interval 4'")
     ap.add_argument("--target-log-level", default="INFO",
-                    help="DEBUG: targets log phase times and the policy's costs every 256 steps")  # fmt: skip
+                    help="DEBUG: phase times, policy costs and gates every 64 steps")  # fmt: skip
     ap.add_argument("--draft-markov-rank", type=int, default=0, help="draft Markov head rank")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)

@@ -74,13 +74,19 @@ class ModeGate:
         w = self.state.get(self.costs.bucket(batch))
         return None if w is None else w.on
 
+    def _window(self, bucket: int, default: bool) -> _Window:
+        w = self.state.get(bucket)  # not setdefault: that would build a _Window every step
+        if w is None:
+            w = self.state[bucket] = _Window(default)
+        return w
+
     def want(self, batch: int, default: bool = True) -> bool:
-        return self.state.setdefault(self.costs.bucket(batch), _Window(default)).on
+        return self._window(self.costs.bucket(batch), default).on
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         """One step's output tokens and wall time."""
         bucket = self.costs.bucket(batch)
-        w = self.state.setdefault(bucket, _Window(True))
+        w = self._window(bucket, True)
         w.steps += 1
         if w.steps > self.settle:
             w.tokens += tokens

@@ -103,16 +103,16 @@ class SpeculationPolicy:
         if left > 0 and k < len(goodput):
             self.refreshing[b] = (k, left - 1)
             return k
-        stale = [
-            k
+        stale = {
+            k: age
             for k in range(1, len(goodput))
             if k != best
             and goodput[k] >= REFRESH_WITHIN * goodput[best]
-            and REFRESH_AGE < self.costs.age(batch, k) < math.inf  # untimed: the parts estimate it
-        ]
+            and REFRESH_AGE < (age := self.costs.age(batch, k)) < math.inf  # untimed: the parts estimate it
+        }
         if not stale:
             return best
-        k = max(stale, key=lambda k: self.costs.age(batch, k))
+        k = max(stale, key=stale.__getitem__)
         self.costs.restart(batch, k)
         self.refreshing[b] = (k, REFRESH_STEPS - 1)
         return k

@@ -467,10 +467,9 @@ class Scheduler:
         self.costs.observe_verify(batch, width, verify)
         plain = width == 1 and not session.last_asked
         self.plain_run = self.plain_run + 1 if plain else 0
-        if width == 1:
-            if self.plain_run > PLAIN_SETTLE:
-                self.costs.observe_step(batch, 0, wall, verify, 0.0)
-        elif session.last_wait_steady:
+        if self.plain_run > PLAIN_SETTLE:
+            self.costs.observe_step(batch, 0, wall, verify, 0.0)
+        elif width > 1 and session.last_wait_steady:
             self.costs.observe_draft(batch, width - 1, session.last_wait)
             self.costs.observe_step(batch, width - 1, wall, verify, session.last_wait)
 

@@ -1,5 +1,6 @@
 """The speculation policy on measured costs: k rises where the verify is memory-bound and acceptance is
-high, falls to 0 where a wide verify costs more than the tokens it adds; probing keeps estimates fresh."""
+high, falls to 0 where a wide verify costs more than the tokens it adds; stale timings are refreshed and
+the gate measures whether speculation pays at all."""
 
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ def _gate_run(rate_on: float, rate_off: float, steps: int = 16 * 64) -> list[boo
 
 
 def test_gate_keeps_the_faster_mode_and_still_tries_the_other():
-    # Branches 1.5x faster: on almost always; off tried in one window of 16 out of every 16 windows.
+    # Branches 1.5x faster: on almost always; off tried now and then (16, then 32, then 64 windows apart).
     chosen = _gate_run(1500.0, 1000.0)
     assert chosen[:16] == [True] * 16 and chosen[16:32] == [False] * 16  # each measured once first
     late = chosen[64:]
@@ -221,8 +222,8 @@ def _gated_choices(policy, batch, seconds_per_step, steps=16 * 40) -> list[int]:
 def test_measured_windows_overrule_the_model_both_ways():
     batch = reqs(1, alpha=0.8)
     # The model says k = 4 pays (a 1.1 ms verify, 0.3 ms draft wait), but whole speculative steps take
-    # 9 ms against 1 ms plain (what the TP=2 pair did): after the first two windows, plain, with one
-    # window of 16 speculative steps every 16 windows.
+    # 9 ms against 1 ms plain (what the TP=2 pair did): after the first two windows, plain, with a window
+    # of 16 speculative steps tried now and then.
     c = costs(1, {1: 1.0e-3, 2: 1.02e-3, 3: 1.04e-3, 4: 1.07e-3, 5: 1.1e-3}, draft=0.3e-3)
     chosen = _gated_choices(SpeculationPolicy("adaptive", c), batch, lambda k: 9e-3 if k else 1e-3)
     assert chosen[:16] == [4] * 16 and chosen[16:32] == [0] * 16  # the model first, then the other mode
@@ -249,6 +250,8 @@ def _stale_k4_run(policy: SpeculationPolicy, c: StepCosts, steps: int = 400) -> 
         k = policy.choose(batch)
         chosen.append(k)
         c.observe_step(1, k, true[k], verify=1e-3, draft_wait=0.0)
+        # the gate's windows (with the gate: on at 3.4 tokens per 4 ms against plain at 1 per 2 ms)
+        policy.observe_step(1, round(policy.batch_tokens(batch, 4)[k]), true[k])
     return chosen
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -176,8 +177,6 @@ HELD_OUT_SUBJECTS = {
 
 
 def test_held_out_subjects_appear_in_no_training_prompt() -> None:
-    import re
-
     training = builtin_prompts.training_prompts()
     assert len(training) == len(set(training)) > 6000
     assert not set(training) & set(builtin_prompts.held_out_prompts())
