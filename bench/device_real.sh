@@ -12,7 +12,7 @@
 #   call 4  (no carry):                                    bench/device_real.sh finish
 #           = waits for the background pipeline (at most WAIT_S seconds), then packs its results into
 #             $OUT: results.tgz.part-* (rejoin: cat results.tgz.part-* > results.tgz), summary.txt,
-#             real-new.json (the best new draft), eval-L3m32lr2.json, eval-L3m0lr2.json, bench_draft.json.
+#             real-new.json and eval-BEST.json (the best new draft), bench_draft.json.
 # State between calls lives in /tmp (site packages, GGUF parts, the run): the machine must stay warm.
 # `check-cpu` runs the same pipeline on CPU at a tiny scale (what was tested before handing it over).
 set -uo pipefail
@@ -64,14 +64,14 @@ need_gguf() {
 }
 
 # The draft to ship: of the runs with a Markov head, the one with the higher held-out alpha at k = 4
-# (train.sh; every run is reported).
+# (train.sh, or the RUNS of a sweep; every run is reported).
 best_draft() {
-  $PY -c 'import json, sys
+  $PY -c 'import json, pathlib, sys
 runs = {}
-for d in sys.argv[2:]:
-    try: runs[d] = json.load(open(f"{sys.argv[1]}/run/{d}/eval.json"))["drafts"]["trained_markov"]["k4"]["alpha"]
-    except OSError: pass
-print(max(runs, key=runs.get) if runs else "L3m32lr2")' "$R" L3m32lr2 L3m32 L3m32lr L3m32long
+for f in pathlib.Path(sys.argv[1], "run").glob("*/eval.json"):
+    head = json.loads(f.read_text())["drafts"].get("trained_markov")
+    if head: runs[f.parent.name] = head["k4"]["alpha"]
+print(max(runs, key=runs.get) if runs else "L3m32lr2")' "$R"
 }
 
 # Runs in the background from a private copy of the tree (the next call refreshes the working tree).
@@ -125,7 +125,8 @@ finish() {
   [[ -f $R/DONE ]] || echo "== NOT DONE after $waited s: packing what exists (call finish again)"
   cd "$R" || return 1
   local keep=(pipeline.log real-new.json real-new.txt run/bench_draft.json)
-  for d in run/L3m32lr2 run/L3m0lr2 run/L3m32 run/L3m0 run/L3m32lr run/L3m32long run/data-run; do
+  for d in run/*/; do
+    d=${d%/}
     keep+=("$d/train.log" "$d/eval.json" "$d/draft/config.json")
   done
   local best
@@ -137,7 +138,7 @@ finish() {
   tar czf /tmp/results.tgz "${present[@]}" && split -b 15M /tmp/results.tgz "$OUT/results.tgz.part-"
   for f in real-new.json run/bench_draft.json; do [[ -f $f ]] && cp "$f" "$OUT/"; done
   # $OUT brings back at most 8 files: the other runs' eval.json travel in the tarball.
-  for d in L3m32lr2 L3m0lr2; do [[ -f run/$d/eval.json ]] && cp "run/$d/eval.json" "$OUT/eval-$d.json"; done
+  [[ -f run/$best/eval.json ]] && cp "run/$best/eval.json" "$OUT/eval-$best.json"
   { echo "DONE: $(cat DONE 2>/dev/null || echo no)"; sha256sum /tmp/results.tgz; tail -n 80 pipeline.log; } \
     > "$OUT/summary.txt"
   cat "$OUT/summary.txt"
@@ -151,7 +152,7 @@ check_cpu() {
   GGUF=$gguf/SmolLM2-135M-Instruct.Q4_1.gguf RUN=$R/run PY=$PY NUM_PROMPTS=4 SAMPLES=1 NEW=16 GEN_BS=4 \
     STEPS=5 BATCH=2 WARMUP=2 EVAL_EVERY=2 EVAL_PROMPTS=2 EVAL_NEW=12 ITERS=3 DATA_MIN=10 TRAIN_MIN=10 \
     bash drafts/smollm2-135m-instruct/train.sh || return 1
-  $PY bench/bench_real.py --target "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" --draft "$R/run/L3m32lr2/draft" \
+  $PY bench/bench_real.py --target "$gguf/SmolLM2-135M-Instruct.Q4_1.gguf" --draft "$R/run/$(best_draft)/draft" \
     --device cpu --dtype "${CPU_DTYPE:-float32}" --batches 1 2 --new-tokens 8 --repeats 1 --logs "$R/logs-cpu" \
     --out "$R/real-cpu.json"
 }

@@ -9,6 +9,8 @@
 #      held-out prompts at k = 2, 4, 6 (its eval.json; held-out α logged every EVAL_EVERY steps);
 #   3. (SWEEP=1) the learning-rate sweep that chose 2e-3, as it ran first: 3 layers + head at 5e-4
 #      (L3m32), at 1e-3 (L3m32lr) and at 1e-3 for 7000 steps (L3m32long), no head at 5e-4 (L3m0);
+#   RUNS="NAME LAYERS RANK LR STEPS [INIT_LAYERS]; ..." replaces stages 2-4 by those runs, side by side
+#      (the seventh session's sweep: docs/benchmarks.md);
 #   4. held-out acceptance in the serving dtype (bf16 on a GPU) and the draft step time of the head / no
 #      head pair against the truncated target (bench/bench_draft.py -> $RUN/bench_draft.json).
 #   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf RUN=/tmp/run drafts/smollm2-135m-instruct/train.sh
@@ -35,10 +37,11 @@ $PY -m common.training.train_draft --target "$GGUF" --data-dir "$RUN/data" --out
 
 # 2.-3. Drafts side by side (each capped at TRAIN_MIN minutes; --export-partial: a capped one is still
 #    exported and evaluated, and its log says at which step it stopped).
-layered() {  # NAME LAYERS MARKOV_RANK LR STEPS
+layered() {  # NAME LAYERS MARKOV_RANK LR STEPS [INIT_LAYERS]
   $PY -m common.training.train_draft --target "$GGUF" --data-dir "$RUN/data" --existing-data-only --seed 0 \
     "${TRAIN[@]}" --lr "$4" --steps "$5" --log-every 100 --save-every 500 --export-partial "${EVAL[@]}" \
-    --target-ref "$REF" --max-minutes "${TRAIN_MIN:-8}" --layers "$2" --markov-rank "$3" --out "$RUN/$1"
+    --target-ref "$REF" --max-minutes "${TRAIN_MIN:-8}" --layers "$2" --markov-rank "$3" --out "$RUN/$1" \
+    ${6:+--init-layers "$6"}
 }
 side_by_side() {  # "NAME LAYERS RANK LR STEPS" ...
   local pids=() spec
@@ -50,6 +53,11 @@ side_by_side() {  # "NAME LAYERS RANK LR STEPS" ...
   for pid in "${pids[@]}"; do wait "$pid"; done
 }
 S=${STEPS:-3500}
+if [[ -n ${RUNS:-} ]]; then  # a sweep of one's own instead of stage 2: "NAME LAYERS RANK LR STEPS [INIT]; ..."
+  IFS=';' read -ra specs <<< "$RUNS"
+  side_by_side "${specs[@]}"
+  exit 0
+fi
 side_by_side "L3m32lr2 3 32 2e-3 $S" "L3m0lr2 3 0 2e-3 $S"
 if [[ ${SWEEP:-0} == 1 ]]; then
   side_by_side "L3m32 3 32 5e-4 $S" "L3m0 3 0 5e-4 $S" "L3m32lr 3 32 1e-3 $S"
