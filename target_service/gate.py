@@ -44,6 +44,13 @@ class ModeGate:
     try costs a window in the worse mode, and a clear loser need not be re-checked every 16 windows. The
     mode in use is measured in every window, so a drop in its own rate switches at once (and the waits
     start over); only a rise of the other waits for a try.
+
+    Two things keep a first impression from sticking (one H200, B=1: the first window with speculation
+    on ran 413 tok/s while the policy was still timing its k's, against 580 for fixed k = 4; off won,
+    the try 16 windows later averaged its 577 with that 413 and lost again, and the back-off then held
+    speculation off for the rest of the run at 0.95x plain): the first window of each mode in a bucket
+    is a warm-up, not counted; and a rate last measured windows ago is replaced by a new window's, not
+    averaged with it (smoothing only joins consecutive windows of one mode).
     """
 
     def __init__(
@@ -58,6 +65,7 @@ class ModeGate:
         self.window, self.settle = window, settle
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
+        self.rated_at: dict[tuple[int, bool], int] = {}  # (bucket, on) -> the window that last measured it
         self.state: dict[int, _Window] = {}
 
     def describe(self) -> str:
@@ -94,10 +102,16 @@ class ModeGate:
         if w.steps < self.window or w.seconds <= 0:
             return
         key = (bucket, w.on)
-        rate = w.tokens / w.seconds
-        self.rate[key] = rate if key not in self.rate else 0.5 * self.rate[key] + 0.5 * rate
-        on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
         every = w.every or self.explore_every
+        if key not in self.rated_at:  # this mode's first window here: a warm-up; run one more
+            self.rated_at[key] = w.windows
+            self.state[bucket] = _Window(w.on, windows=w.windows + 1, every=every)
+            return
+        rate = w.tokens / w.seconds
+        fresh = key not in self.rate or self.rated_at[key] < w.windows - 1
+        self.rate[key] = rate if fresh else 0.5 * self.rate[key] + 0.5 * rate
+        self.rated_at[key] = w.windows
+        on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
         if on is None or off is None:
             self.state[bucket] = _Window(on is None, windows=w.windows + 1, every=every)
             return

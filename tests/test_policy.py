@@ -157,7 +157,8 @@ def _gate_run(rate_on: float, rate_off: float, steps: int = 16 * 64) -> list[boo
 def test_gate_keeps_the_faster_mode_and_still_tries_the_other():
     # Branches 1.5x faster: on almost always; off tried now and then (16, then 32, then 64 windows apart).
     chosen = _gate_run(1500.0, 1000.0)
-    assert chosen[:16] == [True] * 16 and chosen[16:32] == [False] * 16  # each measured once first
+    # each measured first, after a warm-up window of its own
+    assert chosen[:32] == [True] * 32 and chosen[32:64] == [False] * 32
     late = chosen[64:]
     assert 0.85 <= sum(late) / len(late) < 1.0
     # Branches slower (a draft whose branch round outlasts the target's step): off almost always.
@@ -179,11 +180,36 @@ def test_gate_tries_a_losing_mode_less_often_and_follows_a_change_at_once():
         gate.observe(1, 4, 4 / rate)
     windows = [modes[i] for i in range(0, len(modes), 16)]  # one mode per window
     tries = [i for i, on in enumerate(windows[:150]) if not on]
-    assert tries == [1, 18, 50, 114], tries  # the first measure, then 16, 32 and 64 windows on
+    assert tries == [2, 3, 20, 52, 116], tries  # warm-up and first measure, then 16, 32 and 64 windows on
     # The mode in use is measured every window: once it is slower, off within two windows, and it stays
     # off (on is tried again after 16 windows: the reset after the switch).
     assert windows[150:153] == [True, True, False] and windows[153:168] == [False] * 15
     assert windows[168] is True and windows[169:] == [False] * 31
+
+
+def test_a_slow_first_window_does_not_hold_a_mode_off():
+    # What one H200 showed at B=1: the first windows with speculation on ran 413 tok/s (the policy still
+    # timing its k's), steady ones 580, plain 500. The first window of a mode is a warm-up, and a try
+    # replaces the rate it measured windows ago: on from the first measured window, and it stays on.
+    def run(warm_up_windows: int) -> tuple[list[bool], ModeGate]:
+        gate, modes, on_windows = ModeGate(StepCosts([1, 2, 4])), [], 0
+        for step in range(16 * 40):
+            on = gate.want(1)
+            if step % 16 == 0:
+                modes.append(on)
+                on_windows += on
+            rate = (413.0 if on_windows <= warm_up_windows else 580.0) if on else 500.0
+            gate.observe(1, 1, 1 / rate)
+        return modes, gate
+
+    assert run(1)[0] == [True, True, False, False] + [True] * 16 + [False] + [True] * 19
+    # A slow second window too: off wins at first; the try (16 windows after the first measure of off)
+    # reads 580, fresh, and switches back on for good, but for the try of off 16 windows later.
+    modes, gate = run(2)
+    assert modes[:19] == [True, True] + [False] * 17
+    assert modes[19:] == [True] * 17 + [False] + [True] * 3
+    # Had the try averaged its 580 with the stale 413 (496.5 < 500), off would have stayed: modes[19:]
+    # above is that check (verified against the averaging gate before this change).
 
 
 def test_gate_per_batch_bucket():
@@ -226,7 +252,8 @@ def test_measured_windows_overrule_the_model_both_ways():
     # of 16 speculative steps tried now and then.
     c = costs(1, {1: 1.0e-3, 2: 1.02e-3, 3: 1.04e-3, 4: 1.07e-3, 5: 1.1e-3}, draft=0.3e-3)
     chosen = _gated_choices(SpeculationPolicy("adaptive", c), batch, lambda k: 9e-3 if k else 1e-3)
-    assert chosen[:16] == [4] * 16 and chosen[16:32] == [0] * 16  # the model first, then the other mode
+    # the model first, then the other mode (each a warm-up window, then a measured one)
+    assert chosen[:32] == [4] * 32 and chosen[32:64] == [0] * 32
     late = chosen[64:]
     assert 0.85 <= sum(k == 0 for k in late) / len(late) < 1.0
     # The model says plain wins (speculative steps timed at 9 ms), but whole speculative steps take 2 ms
@@ -236,7 +263,7 @@ def test_measured_windows_overrule_the_model_both_ways():
         c.observe_step(1, k, 9e-3 if k else 1e-3, verify=1e-3, draft_wait=0.0)
     policy = SpeculationPolicy("adaptive", c)
     chosen = _gated_choices(policy, batch, lambda k: 2e-3 if k else 1e-3)
-    assert chosen[:16] == [0] * 16 and set(chosen[16:32]) == {4}
+    assert chosen[:32] == [0] * 32 and set(chosen[32:64]) == {4}
     late = chosen[64:]
     assert 0.85 <= sum(k == 4 for k in late) / len(late) < 1.0
     # Without the gate the model alone decides: plain throughout (the power of the check above).
