@@ -143,71 +143,86 @@ def test_new_requests_start_from_the_service_acceptance():
     assert policy.choose(reqs(1)) == 0  # a fresh request does not re-learn that
 
 
-def _gate_run(rate_on: float, rate_off: float, steps: int = 16 * 64) -> list[bool]:
-    """The gate's choice at each step, when a step emits 4 tokens at `rate` tokens per second."""
-    gate = ModeGate(StepCosts([1, 2, 4]))
-    chosen = []
-    for _ in range(steps):
+def _gate_windows(rate, steps: int = 16 * 64) -> list[tuple[bool, int]]:
+    """(mode, steps) of each window the gate ran at B=1, when a step emits 4 tokens at rate(step, on)
+    tokens per second."""
+    gate, windows, index = ModeGate(StepCosts([1, 2, 4])), [], None
+    for step in range(steps):
         on = gate.want(1)
-        chosen.append(on)
-        gate.observe(1, 4, 4 / (rate_on if on else rate_off))
-    return chosen
+        if gate.state[1].windows != index:
+            index = gate.state[1].windows
+            windows.append([on, 0])
+        windows[-1][1] += 1
+        gate.observe(1, 4, 4 / rate(step, on))
+    return [tuple(w) for w in windows]
+
+
+def _share_on(windows: list[tuple[bool, int]]) -> float:
+    return sum(n for on, n in windows if on) / sum(n for _, n in windows)
 
 
 def test_gate_keeps_the_faster_mode_and_still_tries_the_other():
-    # Branches 1.5x faster: on almost always; off tried now and then (16, then 32, then 64 windows apart).
-    chosen = _gate_run(1500.0, 1000.0)
-    # each measured first, after a warm-up window of its own
-    assert chosen[:32] == [True] * 32 and chosen[32:64] == [False] * 32
-    late = chosen[64:]
-    assert 0.85 <= sum(late) / len(late) < 1.0
-    # Branches slower (a draft whose branch round outlasts the target's step): off almost always.
-    late = _gate_run(700.0, 1000.0)[64:]
-    assert 0.0 < sum(late) / len(late) <= 0.15
+    # Branches 1.5x faster: each mode first runs a warm-up half window, then a measured one; off (below
+    # 0.7x on) ends its measured windows after 2 + 4 steps; then on, with tries of off (6 steps each) at
+    # windows 20 and 52 (the wait doubles after each lost try).
+    windows = _gate_windows(lambda step, on: 1500.0 if on else 1000.0)
+    assert windows[:5] == [(True, 8), (True, 16), (False, 8), (False, 6), (True, 16)]
+    assert [i for i, w in enumerate(windows) if w == (False, 6)] == [3, 20, 52]
+    assert all(w == (True, 16) for i, w in enumerate(windows[4:-1], 4) if i not in (20, 52))  # [-1]: cut
+    assert 0.97 <= _share_on(windows[4:]) < 1.0
+    # Branches slower (a draft whose branch round outlasts the target's step): off almost always; on at
+    # 0.7x is not a clear loss (whole tries), at 0.6x it is (tries of 6 steps).
+    windows = _gate_windows(lambda step, on: 700.0 if on else 1000.0)
+    assert windows[:4] == [(True, 8), (True, 16), (False, 8), (False, 16)]
+    assert 0.0 < _share_on(windows[4:]) <= 0.1 and {n for on, n in windows[4:] if on} == {16}
+    windows = _gate_windows(lambda step, on: 600.0 if on else 1000.0)
+    assert 0.0 < _share_on(windows[4:]) <= 0.05 and {n for on, n in windows[4:] if on} == {6}
 
 
 def test_gate_tries_a_losing_mode_less_often_and_follows_a_change_at_once():
-    # Branches 1.5x faster: the other mode is tried after 16 windows, then 32, then every 64 (its cap).
-    gate = ModeGate(StepCosts([1, 2, 4]))
-    modes = []
-    for step in range(16 * 200):
-        on = gate.want(1)
-        modes.append(on)
+    # Branches 1.5x faster: off is tried after 16 windows, then 32, then every 64 (its cap).
+    def rate(step: int, on: bool) -> float:
         if step < 16 * 150:
-            rate = 1500.0 if on else 1000.0
-        else:  # the world changes: branches now slow the step down
-            rate = 700.0 if on else 1000.0
-        gate.observe(1, 4, 4 / rate)
-    windows = [modes[i] for i in range(0, len(modes), 16)]  # one mode per window
-    tries = [i for i, on in enumerate(windows[:150]) if not on]
+            return 1500.0 if on else 1000.0
+        return 650.0 if on else 1000.0  # the world changes: branches now slow the step down
+
+    windows = _gate_windows(rate, steps=16 * 212)
+    starts = [sum(n for _, n in windows[:i]) for i in range(len(windows))]
+    tries = [i for i, (on, _) in enumerate(windows) if not on and starts[i] < 16 * 150]
     assert tries == [2, 3, 20, 52, 116], tries  # warm-up and first measure, then 16, 32 and 64 windows on
-    # The mode in use is measured every window: once it is slower, off within two windows, and it stays
-    # off (on is tried again after 16 windows: the reset after the switch).
-    assert windows[150:153] == [True, True, False] and windows[153:168] == [False] * 15
-    assert windows[168] is True and windows[169:] == [False] * 31
+    # The mode in use is measured every window: once it is slower, off within two windows (the second
+    # ends early), and it stays off; on is tried again after 16 windows (the reset after the switch),
+    # then 32, each try ending after 6 steps.
+    change = next(i for i, s in enumerate(starts) if s + windows[i][1] > 16 * 150)
+    after = windows[change:]
+    assert after[:3] == [(True, 16), (True, 6), (False, 16)], after[:3]
+    ons = [i for i, (on, _) in enumerate(after) if on and i > 1]
+    assert ons == [18, 50] and all(after[i] == (True, 6) for i in ons), ons
 
 
 def test_a_slow_first_window_does_not_hold_a_mode_off():
     # What one H200 showed at B=1: the first windows with speculation on ran 413 tok/s (the policy still
     # timing its k's), steady ones 580, plain 500. The first window of a mode is a warm-up, and a try
     # replaces the rate it measured windows ago: on from the first measured window, and it stays on.
-    def run(warm_up_windows: int) -> tuple[list[bool], ModeGate]:
-        gate, modes, on_windows = ModeGate(StepCosts([1, 2, 4])), [], 0
-        for step in range(16 * 40):
+    def run(slow_windows: int) -> list[bool]:
+        gate, modes, on_windows, index = ModeGate(StepCosts([1, 2, 4])), [], 0, None
+        for _ in range(16 * 40):
             on = gate.want(1)
-            if step % 16 == 0:
+            if gate.state[1].windows != index:
+                index = gate.state[1].windows
                 modes.append(on)
                 on_windows += on
-            rate = (413.0 if on_windows <= warm_up_windows else 580.0) if on else 500.0
+            rate = (413.0 if on_windows <= slow_windows else 580.0) if on else 500.0
             gate.observe(1, 1, 1 / rate)
-        return modes, gate
+        return modes
 
-    assert run(1)[0] == [True, True, False, False] + [True] * 16 + [False] + [True] * 19
+    modes = run(1)
+    assert modes[:4] == [True, True, False, False] and modes[4:20] == [True] * 16 and modes[20] is False
     # A slow second window too: off wins at first; the try (16 windows after the first measure of off)
     # reads 580, fresh, and switches back on for good, but for the try of off 16 windows later.
-    modes, gate = run(2)
+    modes = run(2)
     assert modes[:19] == [True, True] + [False] * 17
-    assert modes[19:] == [True] * 17 + [False] + [True] * 3
+    assert modes[19:36] == [True] * 17 and modes[36] is False and modes[37:] == [True] * len(modes[37:])
     # Had the try averaged its 580 with the stale 413 (496.5 < 500), off would have stayed: modes[19:]
     # above is that check (verified against the averaging gate before this change).
 
@@ -252,8 +267,8 @@ def test_measured_windows_overrule_the_model_both_ways():
     # of 16 speculative steps tried now and then.
     c = costs(1, {1: 1.0e-3, 2: 1.02e-3, 3: 1.04e-3, 4: 1.07e-3, 5: 1.1e-3}, draft=0.3e-3)
     chosen = _gated_choices(SpeculationPolicy("adaptive", c), batch, lambda k: 9e-3 if k else 1e-3)
-    # the model first, then the other mode (each a warm-up window, then a measured one)
-    assert chosen[:32] == [4] * 32 and chosen[32:64] == [0] * 32
+    # the model first, then the other mode (each a warm-up half window, then a measured one)
+    assert chosen[:24] == [4] * 24 and chosen[24:48] == [0] * 24
     late = chosen[64:]
     assert 0.85 <= sum(k == 0 for k in late) / len(late) < 1.0
     # The model says plain wins (speculative steps timed at 9 ms), but whole speculative steps take 2 ms
@@ -263,7 +278,7 @@ def test_measured_windows_overrule_the_model_both_ways():
         c.observe_step(1, k, 9e-3 if k else 1e-3, verify=1e-3, draft_wait=0.0)
     policy = SpeculationPolicy("adaptive", c)
     chosen = _gated_choices(policy, batch, lambda k: 2e-3 if k else 1e-3)
-    assert chosen[:32] == [0] * 32 and set(chosen[32:64]) == {4}
+    assert chosen[:24] == [0] * 24 and set(chosen[24:48]) == {4}
     late = chosen[64:]
     assert 0.85 <= sum(k == 4 for k in late) / len(late) < 1.0
     # Without the gate the model alone decides: plain throughout (the power of the check above).
