@@ -57,7 +57,8 @@ class ModeGate:
     speculation off for the rest of the run at 0.95x plain): the first window of each mode in a bucket
     is a warm-up (half a window), not counted; and a rate last measured windows ago is replaced by a new
     window's, not averaged with it (smoothing only joins consecutive windows of one mode). A window that
-    is clearly losing ends early (EARLY_STEPS, EARLY_LOSS).
+    is clearly losing ends early (EARLY_STEPS, EARLY_LOSS), and a new bucket starts from its nearest
+    measured neighbour's better mode instead of measuring both (`_first_window`).
     """
 
     def __init__(
@@ -73,6 +74,7 @@ class ModeGate:
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
         self.rated_at: dict[tuple[int, bool], int] = {}  # (bucket, on) -> the window that last measured it
+        self.ratio: dict[int, float] = {}  # bucket -> other / better mode's rate, from the nearest bucket
         self.state: dict[int, _Window] = {}
 
     def describe(self) -> str:
@@ -92,8 +94,27 @@ class ModeGate:
     def _window(self, bucket: int, default: bool) -> _Window:
         w = self.state.get(bucket)  # not setdefault: that would build a _Window every step
         if w is None:
-            w = self.state[bucket] = _Window(default)
+            w = self.state[bucket] = self._first_window(bucket, default)
         return w
+
+    def _first_window(self, bucket: int, default: bool) -> _Window:
+        """A bucket's first window: in the better mode of the nearest bucket that measured both (its
+        ratio then estimates the other mode here, which waits for a try like any loser, the first one
+        sooner), else `default`.
+        A batch that drains through the buckets (16, 8, 4, 2, 1 as requests finish) would otherwise pay
+        a window of the worse mode in each."""
+        decided = [
+            (self.costs.distance(b, bucket), b)
+            for b in {b for b, _ in self.rate}
+            if all(self.rated_at.get((b, m), -1) >= 0 for m in (True, False))
+        ]
+        if not decided:
+            return _Window(default)
+        near = min(decided)[1]
+        on, off = self.rate[near, True], self.rate[near, False]
+        self.ratio[bucket] = min(on, off) / max(on, off)  # the other mode's rate / the better one's
+        # The first try comes after a quarter of the usual wait: the estimate is not a measurement here.
+        return _Window(on >= off, every=max(1, self.explore_every // 4))
 
     def _clear_loss(self, w: _Window, other: float | None) -> bool:
         """Whether a window may end early: after EARLY_STEPS counted steps its rate is below EARLY_LOSS
@@ -127,6 +148,9 @@ class ModeGate:
         fresh = key not in self.rate or self.rated_at[key] < w.windows - 1
         self.rate[key] = rate if fresh else 0.5 * self.rate[key] + 0.5 * rate
         self.rated_at[key] = w.windows
+        other = (bucket, not w.on)
+        if other not in self.rate and bucket in self.ratio:  # estimated (rated_at -1: a try replaces it)
+            self.rate[other], self.rated_at[other] = rate * self.ratio[bucket], -1
         on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
         if on is None or off is None:
             self.state[bucket] = _Window(on is None, windows=w.windows + 1, every=every)

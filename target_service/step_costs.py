@@ -57,7 +57,8 @@ class StepCosts:
         i = bisect.bisect_left(self.batch_buckets, batch)
         return self.batch_buckets[min(i, len(self.batch_buckets) - 1)]
 
-    def _distance(self, a: int, b: int) -> int:
+    def distance(self, a: int, b: int) -> int:
+        """How many buckets apart two buckets are."""
         return abs(self.batch_buckets.index(a) - self.batch_buckets.index(b))
 
     def observe_verify(self, batch: int, width: int, seconds: float) -> None:
@@ -105,7 +106,7 @@ class StepCosts:
             return 0.0
         if (b, k) in self.draft:
             return self.draft[b, k]
-        known = [(self._distance(bb, b), abs(m - k), s) for (bb, m), s in self.draft.items()]
+        known = [(self.distance(bb, b), abs(m - k), s) for (bb, m), s in self.draft.items()]
         return min(known)[2] if known else 0.0
 
     def residue_seconds(self, batch: int) -> float:
@@ -113,7 +114,7 @@ class StepCosts:
         b = self.bucket(batch)
         if b in self.residue:
             return self.residue[b]
-        known = [(self._distance(bb, b), s) for bb, s in self.residue.items()]
+        known = [(self.distance(bb, b), s) for bb, s in self.residue.items()]
         return min(known)[1] if known else 0.0
 
     def step_seconds(self, batch: int, k: int) -> float | None:
