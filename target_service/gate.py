@@ -78,13 +78,19 @@ class ModeGate:
         self.state: dict[int, _Window] = {}
 
     def describe(self) -> str:
-        """Per bucket: the current mode and the measured rates on / off, tokens per second (the log)."""
+        """Per bucket: the current mode and the rates on / off, tokens per second (the log; ~: estimated
+        from the nearest bucket's ratio, ?: not known yet)."""
         out = []
         for b, w in sorted(self.state.items()):
-            on, off = (self.rate.get((b, m)) for m in (True, False))
-            rates = "/".join("?" if r is None else f"{r:.0f}" for r in (on, off))
+            rates = "/".join(self._rate_text((b, m)) for m in (True, False))
             out.append(f"B<={b} {'on' if w.on else 'off'} (on/off {rates} tok/s, window {w.windows})")
         return ", ".join(out)
+
+    def _rate_text(self, key: tuple[int, bool]) -> str:
+        rate = self.rate.get(key)
+        if rate is None:
+            return "?"
+        return f"{'~' if self.rated_at.get(key, 0) < 0 else ''}{rate:.0f}"
 
     def mode(self, batch: int) -> bool | None:
         """The bucket's mode now (None: no window there yet)."""

@@ -250,6 +250,9 @@ def test_a_new_bucket_starts_in_the_better_mode_of_the_nearest_measured_one():
             (True, 8), (True, 16), (False, 8), (False, 6)]  # fmt: skip
         return gate
 
+    gate = gate_after_bucket_1()
+    _bucket_windows(gate, 2, lambda on: 3000.0 if on else 2000.0, 16 * 3)
+    assert ", B<=2 on (on/off 3000/~2000 tok/s, window 3)" in gate.describe()  # ~: estimated, not measured
     windows = _bucket_windows(gate_after_bucket_1(), 2, lambda on: 3000.0 if on else 2000.0, 16 * 40)
     assert [i for i, (on, _) in enumerate(windows) if not on] == [5, 13, 29]
     assert windows[:5] == [(True, 8)] + [(True, 16)] * 4 and windows[5] == (False, 6)
