@@ -12,7 +12,8 @@
 #   call 4  (no carry):                                    bench/device_real.sh finish
 #           = waits for the background pipeline (at most WAIT_S seconds), then packs its results into
 #             $OUT: results.tgz.part-* (rejoin: cat results.tgz.part-* > results.tgz), summary.txt,
-#             real-new.json and eval-BEST.json (the best new draft), bench_draft.json.
+#             real-new.json and eval-BEST.json (the best new draft), bench_draft.json; the tarball holds
+#             the best run's weights and those of each run named in KEEP_MODELS.
 # State between calls lives in /tmp (site packages, GGUF parts, the run): the machine must stay warm.
 # `check-cpu` runs the same pipeline on CPU at a tiny scale (what was tested before handing it over).
 set -uo pipefail
@@ -132,6 +133,8 @@ finish() {
   local best
   best=$(best_draft)
   echo "== best draft: $best" && keep+=("run/$best/draft/model.safetensors")
+  local name  # KEEP_MODELS="NAME ...": other runs' weights too (the best by alpha may not be the one to ship)
+  for name in ${KEEP_MODELS:-}; do keep+=("run/$name/draft/model.safetensors"); done
   local present=()
   for f in "${keep[@]}"; do [[ -f $f ]] && present+=("$f"); done
   tail -n 20 logs-new/*.log > service-logs-tail.txt 2>/dev/null && present+=(service-logs-tail.txt)
