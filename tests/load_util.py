@@ -34,6 +34,19 @@ def proc_stats(pid: int) -> ProcStats:
     return ProcStats(int(fields["VmRSS"][0]), int(fields["Threads"][0]), len(os.listdir(f"/proc/{pid}/fd")))
 
 
+def thread_names(pid: int) -> Counter:
+    """How many threads of a live process carry each name (Linux /proc: gRPC, Python and torch threads
+    name themselves), to say which ones a leak check found."""
+    names: Counter = Counter()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                names[f.read().strip()] += 1
+        except FileNotFoundError:  # exited meanwhile
+            pass
+    return names
+
+
 def greedy_request(ids: list[int], max_new_tokens: int, k: int | None = None) -> target_pb2.GenerateRequest:
     req = target_pb2.GenerateRequest(
         token_ids=target_pb2.TokenIds(ids=ids),
