@@ -274,6 +274,17 @@ class Stack:
     targets: dict  # mode -> ServiceProcess
 
 
+def target_names(modes: list[str], variant_modes: list[str]) -> list[str]:
+    """One target per mode, each followed by its `MODE+v` twin (started with --variant-args) where asked:
+    the repeats then run each pair back to back, an interleaved A/B of the flags."""
+    return [n for m in modes for n in ([m, f"{m}+v"] if m in variant_modes else [m])]
+
+
+def base_mode(name: str) -> str:
+    """plain, fixed or adaptive: the policy of a target named MODE or MODE+v."""
+    return name.split("+")[0]
+
+
 def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path) -> Stack:
     draft_env, target_env = gpu_split(args.device, args.draft_tp_size, args.target_tp_size, args.placement)
     common = ["--device", args.device, "--dtype", dtype]
@@ -288,15 +299,18 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
     )  # fmt: skip
     draft.wait_ready(900)
     targets = {}
-    for mode in args.modes:
+    variant = getattr(args, "variant_args", "").split()
+    for name in target_names(args.modes, getattr(args, "variant_modes", []) if variant else []):
+        mode = base_mode(name)
         extra = [] if mode == "plain" else ["--draft-address", draft.address, "--speculation-policy", mode]
         extra += ["--log-level", getattr(args, "target_log_level", "INFO")]
         extra += getattr(args, "target_args", "").split()
-        targets[mode] = start_service(
+        extra += variant if name != mode else []
+        targets[name] = start_service(
             "target_service",
             ["--model", str(target_dir), *common, "--tp-size", str(args.target_tp_size),
              "--num-speculative-tokens", str(args.k), "--max-batch-size", max_batch, *extra],
-            logs / f"target-{mode}-{dtype}.log",
+            logs / f"target-{name}-{dtype}.log",
             env=target_env,
         )  # fmt: skip
     for t in targets.values():
@@ -316,7 +330,14 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
             "serving_captures": sum(r["serving_captures"] for r in rs),
             "fallback_steps": sum(r["fallback_steps"] for r in rs),
         }
-        if mode in ("fixed", "adaptive"):
+        if mode != "plain" and "plain" in runs:
+            row[mode]["speedup_vs_plain"] = (
+                row[mode]["tokens_per_s"]["median"] / row["plain"]["tokens_per_s"]["median"]
+            )
+            row[mode]["speedup_each_repeat"] = [
+                a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rs, runs["plain"])
+            ]
+        if base_mode(mode) in ("fixed", "adaptive"):
             drafted, accepted = sum(r["drafted"] for r in rs), sum(r["accepted"] for r in rs)
             mean_acc = accepted / (drafted / k) if drafted else 0.0  # per speculative step of k drafts
             row[mode].update(
@@ -332,10 +353,6 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
                 draft_ahead_round_ms=statistics.median(r["draft_ahead_round_ms"] for r in rs),
                 draft_tp_bytes_per_drafted_token=statistics.median(
                     r["draft_tp_bytes_per_drafted_token"] for r in rs),
-                speedup_vs_plain=row[mode]["tokens_per_s"]["median"] / row["plain"]["tokens_per_s"]["median"]
-                if "plain" in row else 0.0,
-                speedup_each_repeat=[a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(rs, runs["plain"])]
-                if "plain" in runs else [],
             )  # fmt: skip
     if "fixed" in row and "plain" in row:
         f = row["fixed"]
@@ -394,6 +411,10 @@ def main() -> int:
         "--draft-args", default="", help="extra draft flags, e.g. '--no-use-local-argmax-reduction'"
     )
     ap.add_argument("--target-args", default="", help="extra target flags, e.g. '--stream-interval 4'")
+    ap.add_argument("--variant-args", default="",
+                    help="an interleaved A/B of target flags: each of --variant-modes gets a twin "
+                         "target MODE+v with these flags too, run right after it in each repeat")  # fmt: skip
+    ap.add_argument("--variant-modes", nargs="+", default=["plain"], choices=["plain", "fixed", "adaptive"])
     ap.add_argument("--target-log-level", default="INFO",
                     help="DEBUG: phase times, policy costs and gates every 64 steps")  # fmt: skip
     ap.add_argument("--draft-markov-rank", type=int, default=0, help="draft Markov head rank")
@@ -424,14 +445,14 @@ def main() -> int:
         try:
             for batch in args.batches:  # warm-up: allocator, connections (graphs are captured at start)
                 for mode, t in stack.targets.items():
-                    run_batch(t, stack.draft, prompts[:batch], 8, 0 if mode == "plain" else args.k)
+                    run_batch(t, stack.draft, prompts[:batch], 8, 0 if base_mode(mode) == "plain" else args.k)
             for batch in args.batches:
                 runs: dict[str, list[dict]] = {m: [] for m in [*stack.targets, "k0_with_draft"]}
                 if "fixed" not in stack.targets:
                     runs.pop("k0_with_draft")
                 for _ in range(args.repeats):  # interleaved: plain, k=0 with draft, fixed, adaptive, ...
                     for mode, t in stack.targets.items():
-                        k = 0 if mode == "plain" else args.k
+                        k = 0 if base_mode(mode) == "plain" else args.k
                         runs[mode].append(run_batch(t, stack.draft, prompts[:batch], args.new_tokens, k))
                         if mode == "fixed":
                             runs["k0_with_draft"].append(
@@ -455,6 +476,12 @@ def main() -> int:
     print(f"\n{args.preset}, device {args.device}, k={args.k}, {args.new_tokens} new tokens, "
           f"prompt {args.prompt_len}, {args.repeats} interleaved repeats (median [min-max])")  # fmt: skip
     print(markdown_table(rows))
+    for r in rows:
+        for mode in (m for m in r if m.endswith("+v")):
+            t, base = r[mode]["tokens_per_s"], r[base_mode(mode)]["tokens_per_s"]["runs"]
+            each = ", ".join(f"{a / b:.2f}" for a, b in zip(t["runs"], base))
+            print(f"{mode} ({args.variant_args}), {r['dtype']} B={r['batch']}: {t['median']:.0f} "
+                  f"[{t['min']:.0f}-{t['max']:.0f}] tok/s, / {base_mode(mode)}: {each}")  # fmt: skip
     margins = divergence_margins(target_dir, args.device, mismatches[:8]) if mismatches else []
     for m in margins:
         print(f"divergence ({m['dtype']}) at token {m['position']}: spec {m['spec_token']} vs plain "
