@@ -142,25 +142,33 @@ class ModeGate:
         if w.seconds <= 0:
             return
         key = (bucket, w.on)
-        every = w.every or self.explore_every
         if key not in self.rated_at:  # this mode's first (half) window here: a warm-up; then a measured one
             if w.steps >= self.window // 2:
                 self.rated_at[key] = w.windows
-                self.state[bucket] = _Window(w.on, windows=w.windows + 1, every=every)
+                self.state[bucket] = _Window(w.on, windows=w.windows + 1, every=w.every or self.explore_every)
             return
         if w.steps < self.window and not self._clear_loss(w, self.rate.get((bucket, not w.on))):
             return
-        rate = w.tokens / w.seconds
+        self._record(bucket, w)
+        self.state[bucket] = self._next_window(bucket, w)
+
+    def _record(self, bucket: int, w: _Window) -> None:
+        """The ended window's rate: replaces one measured windows ago, else smooths the last one's."""
+        key, rate = (bucket, w.on), w.tokens / w.seconds
         fresh = key not in self.rate or self.rated_at[key] < w.windows - 1
         self.rate[key] = rate if fresh else 0.5 * self.rate[key] + 0.5 * rate
         self.rated_at[key] = w.windows
         other = (bucket, not w.on)
         if other not in self.rate and bucket in self.ratio:  # estimated (rated_at -1: a try replaces it)
             self.rate[other], self.rated_at[other] = rate * self.ratio[bucket], -1
+
+    def _next_window(self, bucket: int, w: _Window) -> _Window:
+        """The window after `w`: the other mode if it is still unmeasured, else the better one, or a try
+        of the worse one once `every` windows have passed (doubling after each try it loses)."""
+        every = w.every or self.explore_every
         on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
         if on is None or off is None:
-            self.state[bucket] = _Window(on is None, windows=w.windows + 1, every=every)
-            return
+            return _Window(on is None, windows=w.windows + 1, every=every)
         best = on >= off
         if best != (w.on != w.trying):  # the better mode changed (a try runs the other one): start over
             every, since = self.explore_every, 0
@@ -168,7 +176,7 @@ class ModeGate:
             every = min(2 * every, self.max_explore_every) if w.trying else every
             since = w.since + 1
         trying = since >= every
-        self.state[bucket] = _Window(
+        return _Window(
             (not best) if trying else best,
             windows=w.windows + 1,
             since=0 if trying else since,
