@@ -181,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--draft-tp-size", type=int, default=1)
     ap.add_argument("--target-tp-size", type=int, default=1)
     ap.add_argument("--draft-args", default="", help="extra draft service flags")
+    ap.add_argument("--target-args", default="", help="extra target service flags")
+    ap.add_argument("--target-log-level", default="INFO",
+                    help="DEBUG: phase times, policy costs and gates every 64 steps")  # fmt: skip
     ap.add_argument("--logs", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=None)
     return ap
