@@ -126,10 +126,10 @@ def run(
     draft: SimulatedDraft | None = None,
     policy: str = "fixed",
     stream_interval: int = 1,
-    staggered: bool = False,
+    drain: bool = False,
 ) -> dict:
     """`batch` requests of `steps` tokens through the serving loop; k > 0 attaches `draft` (default: one
-    that answers at once). `staggered`: request i of B wants steps * (i + 1) / B tokens, so the batch drains
+    that answers at once). `drain`: request i of B wants steps * (i + 1) / B tokens, so the batch drains
     through every smaller batch bucket as its requests finish (as a served batch does)."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -143,7 +143,7 @@ def run(
     received = [0, 0]  # tokens, messages that carried tokens
     outputs: list[list[int]] = []
 
-    async def drain(out: StreamOut, ids: list[int]) -> None:
+    async def read(out: StreamOut, ids: list[int]) -> None:
         while (item := await out.get()) is not None:
             if getattr(item, "token_ids", None):
                 received[0] += len(item.token_ids)
@@ -154,9 +154,9 @@ def run(
     for i in range(batch):
         out = StreamOut(loop, 1 << 20, lambda: None)
         outputs.append([])
-        consumers.append(asyncio.run_coroutine_threadsafe(drain(out, outputs[-1]), loop))
+        consumers.append(asyncio.run_coroutine_threadsafe(read(out, outputs[-1]), loop))
         detok = StreamDetokenizer(tokenizer, [])
-        want = max(1, steps * (i + 1) // batch) if staggered else steps
+        want = max(1, steps * (i + 1) // batch) if drain else steps
         req = Request(request_id=f"r{i}", prompt=[1, 2, 3], max_new_tokens=want, temperature=0.0, top_k=0,
                       top_p=1.0, seed=0, k=k, stop_ids=frozenset(), detok=detok)  # fmt: skip
         req.out = out

@@ -143,18 +143,23 @@ def test_new_requests_start_from_the_service_acceptance():
     assert policy.choose(reqs(1)) == 0  # a fresh request does not re-learn that
 
 
-def _gate_windows(rate, steps: int = 16 * 64) -> list[tuple[bool, int]]:
-    """(mode, steps) of each window the gate ran at B=1, when a step emits 4 tokens at rate(step, on)
+def _bucket_windows(gate: ModeGate, batch: int, rate, steps: int) -> list[tuple[bool, int]]:
+    """(mode, steps) of each window `gate` runs at `batch`, when a step emits 4 tokens at rate(step, on)
     tokens per second."""
-    gate, windows, index = ModeGate(StepCosts([1, 2, 4])), [], None
+    windows, index, bucket = [], None, gate.costs.bucket(batch)
     for step in range(steps):
-        on = gate.want(1)
-        if gate.state[1].windows != index:
-            index = gate.state[1].windows
+        on = gate.want(batch)
+        if gate.state[bucket].windows != index:
+            index = gate.state[bucket].windows
             windows.append([on, 0])
         windows[-1][1] += 1
-        gate.observe(1, 4, 4 / rate(step, on))
+        gate.observe(batch, 4, 4 / rate(step, on))
     return [tuple(w) for w in windows]
+
+
+def _gate_windows(rate, steps: int = 16 * 64) -> list[tuple[bool, int]]:
+    """The same for a fresh gate at B=1."""
+    return _bucket_windows(ModeGate(StepCosts([1, 2, 4])), 1, rate, steps)
 
 
 def _share_on(windows: list[tuple[bool, int]]) -> float:
@@ -227,42 +232,31 @@ def test_a_slow_first_window_does_not_hold_a_mode_off():
     # above is that check (verified against the averaging gate before this change).
 
 
-def _bucket_windows(gate: ModeGate, batch: int, rate, steps: int) -> list[tuple[bool, int]]:
-    """(mode, steps) of each window `gate` runs at `batch`; a step emits 4 tokens at rate(on) per second."""
-    windows, index, bucket = [], None, gate.costs.bucket(batch)
-    for _ in range(steps):
-        on = gate.want(batch)
-        if gate.state[bucket].windows != index:
-            index = gate.state[bucket].windows
-            windows.append([on, 0])
-        windows[-1][1] += 1
-        gate.observe(batch, 4, 4 / rate(on))
-    return [tuple(w) for w in windows]
-
-
 def test_a_new_bucket_starts_in_the_better_mode_of_the_nearest_measured_one():
     # A batch that drains (16, 8, ... as requests finish) meets new buckets: each would pay a window of
     # the worse mode. Bucket 1 measured both (on 1.5x off); bucket 2 starts on and tries off only after
     # 4 windows (then 8, 16), each try ending after 6 steps.
     def gate_after_bucket_1() -> ModeGate:
         gate = ModeGate(StepCosts([1, 2, 4]))
-        assert _bucket_windows(gate, 1, lambda on: 1500.0 if on else 1000.0, 16 * 8)[:4] == [
+        assert _bucket_windows(gate, 1, lambda step, on: 1500.0 if on else 1000.0, 16 * 8)[:4] == [
             (True, 8), (True, 16), (False, 8), (False, 6)]  # fmt: skip
         return gate
 
     gate = gate_after_bucket_1()
-    _bucket_windows(gate, 2, lambda on: 3000.0 if on else 2000.0, 16 * 3)
+    _bucket_windows(gate, 2, lambda step, on: 3000.0 if on else 2000.0, 16 * 3)
     assert ", B<=2 on (on/off 3000/~2000 tok/s, window 3)" in gate.describe()  # ~: estimated, not measured
-    windows = _bucket_windows(gate_after_bucket_1(), 2, lambda on: 3000.0 if on else 2000.0, 16 * 40)
+    windows = _bucket_windows(gate_after_bucket_1(), 2, lambda step, on: 3000.0 if on else 2000.0, 16 * 40)
     assert [i for i, (on, _) in enumerate(windows) if not on] == [5, 13, 29]
     assert windows[:5] == [(True, 8)] + [(True, 16)] * 4 and windows[5] == (False, 6)
     # A wrong start costs at most those 4 windows: off measured, better here, it switches and stays.
     gate = gate_after_bucket_1()
-    windows = _bucket_windows(gate, 2, lambda on: 1200.0 if on else 2000.0, 16 * 30)
+    windows = _bucket_windows(gate, 2, lambda step, on: 1200.0 if on else 2000.0, 16 * 30)
     assert windows[:5] == [(True, 8)] + [(True, 16)] * 4 and windows[5:22] == [(False, 16)] * 17
     assert gate.rate[(2, False)] == pytest.approx(2000.0) and gate.rate[(2, True)] == pytest.approx(1200.0)
     # Power: a bucket with no measured neighbour measures both modes first (windows 2-3 off).
-    fresh = _bucket_windows(ModeGate(StepCosts([1, 2, 4])), 2, lambda on: 3000.0 if on else 2000.0, 16 * 8)
+    fresh = _bucket_windows(
+        ModeGate(StepCosts([1, 2, 4])), 2, lambda step, on: 3000.0 if on else 2000.0, 16 * 8
+    )
     assert fresh[:4] == [(True, 8), (True, 16), (False, 8), (False, 6)]
 
 

@@ -116,9 +116,10 @@ def agreement_by_confidence(
     """The draft's agreement among the positions where the target's confidence lies in each range: are
     the misses the tokens the target itself was unsure of?"""
     m, c = torch.cat(matches), torch.cat(confidence)
+    bins = torch.bucketize(c, torch.tensor(edges[1:-1], dtype=c.dtype), right=True)  # [lo, hi); 1.0: last
     out = []
     for i, (lo, hi) in enumerate(itertools.pairwise(edges)):
-        inside = (c >= lo) & ((c < hi) if i < len(edges) - 2 else (c <= hi))
+        inside = bins == i
         n = int(inside.sum())
         out.append({
             "target_p": f"{lo:.1f}-{hi:.1f}",
