@@ -22,6 +22,7 @@ from target_service.step_costs import StepCosts
 # ~0.65x plain, and the gate's 16-step windows with it on cost adaptive 0.64-0.79x plain in 128-token
 # runs. Four steps of 0.7x against a rate measured over 14 are well outside step-to-step noise (~10 %).
 EARLY_STEPS, EARLY_LOSS = 4, 0.7
+WINDOW = 16  # steps per window (a mode's first window in a bucket is a half-window warm-up)
 
 
 @dataclass
@@ -64,7 +65,7 @@ class ModeGate:
     def __init__(
         self,
         costs: StepCosts,
-        window: int = 16,
+        window: int = WINDOW,
         settle: int = 2,
         explore_every: int = 16,
         max_explore_every: int = 64,

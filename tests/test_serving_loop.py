@@ -14,6 +14,8 @@ from service_util import (
     wait_for,
 )
 
+from target_service.gate import WINDOW
+
 pytestmark = pytest.mark.slow
 
 
@@ -36,10 +38,15 @@ def speculate_messages(draft, target) -> tuple[float, float]:
 
 def test_plain_steps_send_nothing_to_the_draft(stack):
     draft, target = stack
-    # The link connects after the target reports ready; and under the adaptive policy a request long
-    # enough for a probe (gap 16) surely speculates, whatever the start-up timings said.
+    # The link connects after the target reports ready. Under the adaptive policy a request surely
+    # speculates once it outlasts the gate's first mode, whatever the start-up timings made that: a
+    # warm-up half window and a measured window (8 + 16 steps, target_service/gate.py), then the other
+    # mode. 24 tokens were not enough on a CI machine whose start-up timings chose plain first.
     wait_for(lambda: target.metric("specsplit_draft_connected") == 1, 30, "the draft link")
-    generate_many(target.address, [request(prompts(1, seed=5)[0], k=2, max_new_tokens=24)], 1)
+    first_mode_steps = WINDOW // 2 + WINDOW
+    generate_many(
+        target.address, [request(prompts(1, seed=5)[0], k=2, max_new_tokens=first_mode_steps + 16)], 1
+    )
     before = speculate_messages(draft, target)
     assert before[0] > 0 and before[1] > 0  # the series exist and count: a rename would fail here
     plain = generate_many(target.address, [request(p, k=0, max_new_tokens=12) for p in prompts(6)], 6)
