@@ -107,6 +107,8 @@ SERIES = {
     "gpu_n": "specsplit_step_gpu_seconds_count",
     "host_sum": "specsplit_step_host_seconds_sum",
     "host_n": "specsplit_step_host_seconds_count",
+    "queue_sum": "specsplit_step_gpu_queue_seconds_sum",
+    "queue_n": "specsplit_step_gpu_queue_seconds_count",
     "k_sum": "specsplit_spec_step_tokens_sum",
     "k_n": "specsplit_spec_step_tokens_count",
     "fallbacks": "specsplit_spec_fallback_steps_total",
@@ -187,6 +189,7 @@ def run_batch(service, draft, prompts: list[list[int]], n: int, k: int, ignore_e
         "verify_step_ms": 1e3 * ratio(delta, "verify_sum", "verify_n"),
         "step_gpu_ms": 1e3 * ratio(delta, "gpu_sum", "gpu_n"),
         "step_host_ms": 1e3 * ratio(delta, "host_sum", "host_n"),
+        "step_gpu_queue_ms": 1e3 * ratio(delta, "queue_sum", "queue_n"),
         "mean_k": ratio(delta, "k_sum", "k_n"),
         "draft_round_ms": 1e3 * ratio(delta, "draft_sum", "draft_n"),
         "round_trip_ms": 1e3 * ratio(delta, "rt_sum", "rt_n"),
@@ -326,6 +329,7 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
             "tpot_ms": median_spread([r["tpot_ms"] for r in rs]),
             "step_gpu_ms": statistics.median(r["step_gpu_ms"] for r in rs),
             "step_host_ms": statistics.median(r["step_host_ms"] for r in rs),
+            "step_gpu_queue_ms": statistics.median(r.get("step_gpu_queue_ms", 0.0) for r in rs),
             "verify_step_ms": statistics.median(r["verify_step_ms"] for r in rs),
             "serving_captures": sum(r["serving_captures"] for r in rs),
             "fallback_steps": sum(r["fallback_steps"] for r in rs),
@@ -368,7 +372,7 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
 def markdown_table(rows: list[dict]) -> str:
     head = ["dtype", "B", "plain tok/s", "k=0 + draft tok/s", "fixed tok/s", "adaptive tok/s", "fixed x",
             "adaptive x", "TPOT plain / fixed / adaptive ms", "alpha", "E[a]", "c", "ideal",
-            "host ms/step plain, fixed", "adaptive mean k"]  # fmt: skip
+            "host ms/step plain, fixed", "GPU queue ms/step plain, fixed", "adaptive mean k"]  # fmt: skip
 
     def tps(row: dict, mode: str) -> str:
         if mode not in row:
@@ -387,6 +391,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{f.get('mean_accepted', 0):.2f}", f"{r.get('cost_ratio_c', 0):.3f}",
             f"{r.get('ideal_speedup', 0):.2f}",
             f"{p.get('step_host_ms', 0):.2f}, {f.get('step_host_ms', 0):.2f}",
+            f"{p.get('step_gpu_queue_ms', 0):.2f}, {f.get('step_gpu_queue_ms', 0):.2f}",
             f"{a.get('mean_k', 0):.2f}",
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")

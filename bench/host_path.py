@@ -42,14 +42,17 @@ from target_service.scheduler import Scheduler
 
 class SimulatedRunner:
     """The runner surface the scheduler uses, with no model. A step takes `step_seconds` plus
-    `per_position` per verify position past the first (0: it returns at once) and accepts each drafted
-    token with probability `alpha` (1: all of them)."""
+    `per_position` per verify position past the first (0: it returns at once), reported as its GPU time,
+    after `queue_seconds` queued behind other GPU work, and accepts each drafted token with probability
+    `alpha` (1: all of them)."""
 
     verify_backend = "simulated"
     max_context = 1 << 20
 
-    def __init__(self, alpha: float = 1.0, step_seconds: float = 0.0, per_position: float = 0.0):
+    def __init__(self, alpha: float = 1.0, step_seconds: float = 0.0, per_position: float = 0.0,
+                 queue_seconds: float = 0.0):  # fmt: skip
         self.alpha, self.step_seconds, self.per_position = alpha, step_seconds, per_position
+        self.queue_seconds = queue_seconds  # the step waits this long behind other GPU work first
         self.rng = random.Random(0)
         self.batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
         self.step_costs: dict = {}
@@ -61,8 +64,12 @@ class SimulatedRunner:
 
     def step(self, rows, width: int) -> StepResult:
         self.widths.append(width)
-        if self.step_seconds or self.per_position:
-            time.sleep(self.step_seconds + self.per_position * (width - 1))
+        gpu = self.step_seconds + self.per_position * (width - 1)
+        wait = 0.0
+        if gpu or self.queue_seconds:
+            t0 = time.perf_counter()
+            time.sleep(self.queue_seconds + gpu)
+            wait = time.perf_counter() - t0
         tokens, accepted = [], []
         for r in rows:
             a = 0
@@ -70,7 +77,7 @@ class SimulatedRunner:
                 a += 1
             tokens.append([*r.drafts[:a], (r.last_token * 7 + 13) % 40000 + 100])
             accepted.append(a)
-        return StepResult(tokens, accepted, 0.0, None)
+        return StepResult(tokens, accepted, gpu, None, wait)
 
 
 class SimulatedDraft:
@@ -169,12 +176,15 @@ def run(
     sched.stop()
     loop.call_soon_threadsafe(loop.stop)
     n = len(runner.widths)
-    rt = {s.name: s.value for fam in registry.collect() for s in fam.samples
-          if s.name.startswith("specsplit_draft_round_trip_seconds_")}  # fmt: skip
-    rt_ms = 1e3 * rt.get("specsplit_draft_round_trip_seconds_sum", 0.0) / max(1.0, rt.get(
-        "specsplit_draft_round_trip_seconds_count", 0.0))  # fmt: skip
+    series = {s.name: s.value for fam in registry.collect() for s in fam.samples}
+
+    def mean_ms(histogram: str) -> float:
+        return 1e3 * series.get(histogram + "_sum", 0.0) / max(1.0, series.get(histogram + "_count", 0.0))
+
     return {"batch": batch, "k": k, "steps": n, "ms_per_step": 1e3 * wall / max(1, n), "tokens": received[0],
-            "messages": received[1], "round_trip_ms": rt_ms, "outputs": outputs}  # fmt: skip
+            "messages": received[1], "round_trip_ms": mean_ms("specsplit_draft_round_trip_seconds"),
+            "step_host_ms": mean_ms("specsplit_step_host_seconds"),
+            "step_gpu_queue_ms": mean_ms("specsplit_step_gpu_queue_seconds"), "outputs": outputs}  # fmt: skip
 
 
 def main() -> int:

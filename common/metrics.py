@@ -148,7 +148,12 @@ class ServiceMetrics:
         )
         self.step_host = histogram(
             "step_host_seconds",
-            "Host time of one target step that the GPU did not cover (wall minus GPU time).",
+            "Host time of one target step: wall time not spent waiting for the GPU or the draft.",
+            STEP_BUCKETS,
+        )
+        self.step_gpu_queue = histogram(
+            "step_gpu_queue_seconds",
+            "Time one target step's GPU work waited behind other work on the GPU (a colocated draft).",
             STEP_BUCKETS,
         )
         self.step_k = histogram(

@@ -63,6 +63,9 @@ class StepResult:
     # [Bp * width, V], row j of request b at b * width + j; a graph's static buffer: read it before the
     # next step (logprobs).
     logits: torch.Tensor | None = None
+    # Seconds the host blocked until the step's GPU work was done: about gpu_seconds plus the time that
+    # work queued behind other work on the GPU, such as a colocated draft's kernels (0 on the CPU).
+    wait_seconds: float = 0.0
 
 
 class StepBuffers:
@@ -333,15 +336,17 @@ class TargetRunner:
             host = self.out_host[: padded * (width + 2)].view(padded, width + 2)
             host.copy_(packed, non_blocking=True)
             self.events[1].record()
+            t0 = time.perf_counter()
             self.events[1].synchronize()
+            wait = time.perf_counter() - t0
             gpu = self.events[0].elapsed_time(self.events[1]) / 1e3
             out = host[:n].tolist()
         else:
-            gpu = 0.0
+            gpu = wait = 0.0
             out = packed[:n].tolist()
         tokens = [row[: row[-1]] for row in out]
         accepted = [row[-2] for row in out]
-        return StepResult(tokens, accepted, gpu, logits)
+        return StepResult(tokens, accepted, gpu, logits, wait)
 
     def _verify_eager(self, rows: list[StepRow], logits: torch.Tensor, padded: int, width: int):
         buf = self._buffers(padded, width)

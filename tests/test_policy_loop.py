@@ -112,6 +112,7 @@ def test_branch_gate_counts_only_steady_speculative_steps():
 
     from common.metrics import ServiceMetrics
     from target_service.config import TargetConfig
+    from target_service.runner import StepResult
     from target_service.scheduler import BRANCH_SETTLE, Scheduler
 
     metrics = ServiceMetrics("target", "gate", registry=CollectorRegistry())
@@ -121,10 +122,25 @@ def test_branch_gate_counts_only_steady_speculative_steps():
 
     def counted(width: int, started: bool = False) -> int:
         before = sched.branch_gate.state[1].steps if 1 in sched.branch_gate.state else 0
-        sched._account([object()], width, 0.0, 1, started, *marks)
+        sched._account([object()], width, StepResult([[1]], [0], 0.0), started, *marks)
         return sched.branch_gate.state[1].steps - before if 1 in sched.branch_gate.state else 0
 
     assert [counted(1) for _ in range(3)] == [0, 0, 0]  # plain
     assert [counted(5) for _ in range(BRANCH_SETTLE + 2)] == [0] * BRANCH_SETTLE + [1, 1]
     assert counted(5, started=True) == 0
     assert counted(1) == 0 and counted(5) == 0  # after a plain step the settle starts again
+
+
+def test_step_host_time_leaves_out_the_wait_for_a_busy_gpu():
+    """A step whose GPU work queues behind other work on the GPU (a draft on the same GPU) is not host
+    time: specsplit_step_host_seconds leaves out the whole wait for the GPU and the draft, and the queueing
+    is specsplit_step_gpu_queue_seconds. The simulated step: 2 ms of GPU time after 3 ms in the queue."""
+    queue, gpu = 3e-3, 2e-3
+    result = run(1, 60, None, 4, SimulatedRunner(0.5, gpu, 0.0, queue), SimulatedDraft(1e-3), policy="fixed")
+    # The host's own work per step here is ~0.2 ms on the 2-core dev machine; the queue would add 3.
+    assert result["step_host_ms"] < 1.5, result["step_host_ms"]
+    # time.sleep overshoots by up to ~0.1 ms (plus scheduling on a busy CI machine) and nothing shortens it.
+    assert 1e3 * queue <= result["step_gpu_queue_ms"] < 1e3 * queue + 1.5, result["step_gpu_queue_ms"]
+    # Power: with no queue the same loop reports none, and the host time stays below the queue's 3 ms.
+    idle = run(1, 60, None, 4, SimulatedRunner(0.5, gpu, 0.0, 0.0), SimulatedDraft(1e-3), policy="fixed")
+    assert idle["step_gpu_queue_ms"] < 1.0 and idle["step_host_ms"] < 1.5, idle
