@@ -10,6 +10,7 @@ the per-token α solved from E[a] = Σ_{i=1..k} α^i. `--truncated N` adds the t
 with no training as a baseline. A draft with a Markov head is measured with it and, as `NAME-head-off`,
 without it. Step time: one decode step (one token, logits, argmax) at batch 1 and 16, context 256.
 `--shape-only CONFIG --layers N --markov-rank R` times random-weight drafts of that shape (no target).
+`--prompt-set training|unseen-topics` measures on other prompts than the held-out ones (see PROMPT_SETS).
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ from common.training.measure import (
     target_texts,
 )
 from common.training.train_draft import eos_ids, parse_ints, prompt_ids
+
+# Where the draft's acceptance is measured: the gap from training prompts to unseen topics in the same
+# forms is memorisation, from there to the held-out chat prompts the forms (common/training/self_instruct.py).
+PROMPT_SETS = {
+    "held-out": builtin_prompts.held_out_prompts,
+    "training": lambda: builtin_prompts.training_prompts(seed=0),
+    "unseen-topics": builtin_prompts.unseen_topic_prompts,
+}
 
 
 def named_drafts(args, target: Transformer | None) -> dict[str, tuple[Transformer, bool]]:
@@ -73,7 +82,7 @@ def measure_acceptance(args, target, drafts) -> dict:
     else:
         tokenizer = load_tokenizer(args.target)
         chat = bool(getattr(tokenizer, "chat_template", None)) and not args.no_chat
-        texts = builtin_prompts.held_out_prompts()[: args.eval_prompts]
+        texts = PROMPT_SETS[args.prompt_set]()[: args.eval_prompts]
         prompts = prompt_ids(tokenizer, texts, chat)
         answers = target_texts(target, prompts, args.max_new_tokens, eos_ids(tokenizer, target))
     out = {"prompts": len(prompts), "answer_tokens": sum(map(len, answers)), "drafts": {}}
@@ -103,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=parse_ints, default=[2, 4, 6])
     ap.add_argument("--eval-prompts", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--prompt-set",
+        choices=list(PROMPT_SETS),
+        default="held-out",
+        help="held-out chat prompts; training: the first training prompts (seed-0 order, trained on); "
+        "unseen-topics: training templates on topics no prompt names",
+    )
     ap.add_argument("--no-chat", action="store_true")
     ap.add_argument(
         "--answers",

@@ -125,7 +125,7 @@ finish() {
   done
   [[ -f $R/DONE ]] || echo "== NOT DONE after $waited s: packing what exists (call finish again)"
   cd "$R" || return 1
-  local keep=(pipeline.log real-new.json real-new.txt run/bench_draft.json)
+  local keep=(pipeline.log real-new.json real-new.txt run/bench_draft.json run/data/self_instruct.json)
   for d in run/*/; do
     d=${d%/}
     keep+=("$d/train.log" "$d/eval.json" "$d/draft/config.json")

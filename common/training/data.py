@@ -88,22 +88,25 @@ def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 @torch.inference_mode()
-def generate_batch(
+def sample_answers(
     target: Transformer,
     prompts: list[list[int]],
     temperature: float,
     max_new_tokens: int,
-    top_k: int,
     eos_token_ids: set[int],
     gen: torch.Generator,
-) -> Sequences:
-    """Answers `prompts` with the target (one batch) and records its top-K at every position."""
+    top_k: int = 0,
+) -> tuple[list[list[int]], list, list[list]]:
+    """The target's answers to `prompts` (one batch; each ends at its first EOS, kept), and with
+    top_k > 0 its top-K at every prompt position and at every answer position but the last (else [])."""
     cache = KVCache.for_model(target, len(prompts), max(map(len, prompts)) + max_new_tokens)
     slots = list(range(len(prompts)))
     hidden = forward_rows(target, cache, slots, [0] * len(prompts), prompts)
     lengths = [len(p) for p in prompts]
     # Prompt positions: their top-K is kept (cheap) but they are not trained on.
-    prompt_topk = [_topk(target.compute_logits(hidden[b, : lengths[b]]), top_k) for b in slots]
+    prompt_topk = []
+    if top_k:
+        prompt_topk = [_topk(target.compute_logits(hidden[b, : lengths[b]]), top_k) for b in slots]
     last = target.compute_logits(hidden[torch.arange(len(prompts)), torch.tensor(lengths) - 1])
     answers: list[list[int]] = [[] for _ in prompts]
     answer_topk: list[list[tuple[Tensor, Tensor]]] = [[] for _ in prompts]
@@ -119,10 +122,27 @@ def generate_batch(
             break
         hidden = forward_rows(target, cache, slots, [n + step for n in lengths], [[a[-1]] for a in answers])
         logits = target.compute_logits(hidden[:, 0])
-        top = _topk(logits, top_k)
-        for b in slots:
-            if live[b]:
-                answer_topk[b].append((top[0][b], top[1][b]))
+        if top_k:
+            top = _topk(logits, top_k)
+            for b in slots:
+                if live[b]:
+                    answer_topk[b].append((top[0][b], top[1][b]))
+    return answers, prompt_topk, answer_topk
+
+
+def generate_batch(
+    target: Transformer,
+    prompts: list[list[int]],
+    temperature: float,
+    max_new_tokens: int,
+    top_k: int,
+    eos_token_ids: set[int],
+    gen: torch.Generator,
+) -> Sequences:
+    """Answers `prompts` with the target (one batch) and records its top-K at every position."""
+    answers, prompt_topk, answer_topk = sample_answers(
+        target, prompts, temperature, max_new_tokens, eos_token_ids, gen, top_k
+    )
     return _pack(prompts, answers, prompt_topk, answer_topk)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 TOPICS = [
     # science and nature
@@ -325,7 +326,7 @@ CHAT_TASKS = [
 ]
 
 # Held out: none of these prompts, and none of their topics, appears above (their forms do: explain,
-# poem, recipe, list, as in any instruction data). tests/test_train_draft.py checks the topics.
+# poem, recipe, list, as in any instruction data). HELD_OUT_SUBJECTS names the topics (tests check them).
 HELD_OUT = [
     "Explain how a refrigerator keeps food cold.",
     "Write a short poem about autumn leaves.",
@@ -368,3 +369,56 @@ def training_prompts(seed: int = 0) -> list[str]:
 
 def held_out_prompts() -> list[str]:
     return list(HELD_OUT)
+
+
+# The subject of each held-out prompt, as words no training prompt may contain (whole words, any case):
+# the built-in training prompts never do (tests/test_train_draft.py), and prompts the target writes
+# itself (common/training/self_instruct.py) that do are dropped.
+HELD_OUT_SUBJECTS = {
+    "refrigerator": "refrigerators?", "autumn leaves": "autumn|leaves", "resume": "resumes?",
+    "sorted lists": "merges?|merging", "weather": "weather", "butterfly": "butterfl(y|ies)",
+    "restaurant": "restaurants?|waiters?", "planets": "planets?|solar system", "bicycle": "bicycles?|bikes?",
+    "palindrome": "palindromes?", "inflation": "inflation", "Olympics": "olympics?", "dog": "dogs?",
+    "public speaking": "public speaking", "DNA": "dna", "orders per customer": "orders",
+    "exercise": "exercises?", "sky": "sky", "tomato soup": "tomato(es)?|soups?", "tennis": "tennis",
+    "Pythagoras": "pythagore(an|as)", "limerick": "limericks?", "cat": "cats?",
+    "airplanes": "airplanes?|aeroplanes?", "Romeo and Juliet": "romeo|juliet",
+}  # fmt: skip
+_HELD_OUT_SUBJECT = re.compile(rf"\b({'|'.join(HELD_OUT_SUBJECTS.values())})\b", re.IGNORECASE)
+
+
+def names_held_out_subject(text: str) -> bool:
+    return _HELD_OUT_SUBJECT.search(text) is not None
+
+
+# Topics in no training prompt and no held-out one: the training templates on these measure how the
+# draft does on new subjects in familiar forms, between the training prompts and the held-out chat
+# (bench/bench_draft.py --prompt-set unseen-topics).
+UNSEEN_TOPICS = [
+    "submarines", "solar eclipses", "beekeeping", "hot air balloons", "glassblowing", "tectonic plates",
+    "sourdough", "the violin", "fire ants", "sign language", "the Roman aqueducts", "compost", "the abacus",
+    "radar", "kites", "the Sahara", "the telegraph", "carnivorous plants", "hedgehogs", "the metric system",
+    "the Eiffel Tower", "geysers", "the harmonica", "crossword puzzles",
+]  # fmt: skip
+
+
+def unseen_topic_prompts(seed: int = 1) -> list[str]:
+    """One training template (seeded choice) per unseen topic."""
+    rng = random.Random(seed)
+    return [rng.choice(TASKS).format(t=topic) for topic in UNSEEN_TOPICS]
+
+
+# Self-instruct: the target writes user prompts itself, as numbered lists (a 135M model's single
+# questions at T = 1 were mostly noise; its numbered lists at T = 0.7 are mostly clean questions).
+# Each form is used with a topic where it has {t}, else as it is.
+SELF_INSTRUCT_FORMS = [
+    "Write a numbered list of five different questions that people often ask about {t}.",
+    "Write a numbered list of five requests that people might send to an AI assistant about {t}.",
+    "Write a numbered list of five questions a student might ask a teacher about {t}.",
+    "Write a numbered list of five short questions about how {t} works or why it matters.",
+    "Write a numbered list of five things people ask an assistant to write for them, such as emails, "
+    "poems, stories, recipes or plans.",
+    "Write a numbered list of five questions people ask an assistant for advice in everyday life.",
+    "Write a numbered list of five questions about how everyday things work.",
+    "Write a numbered list of five programming questions that beginners often ask.",
+]

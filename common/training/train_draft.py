@@ -2,8 +2,9 @@
 
     specsplit train-draft --target TARGET --out RUN_DIR [--layers 2 --markov-rank 32 --steps 2000 ...]
 
-1. data: the target answers the built-in prompts (common/training/prompts.py) at a few temperatures;
-   its top-K distribution at every position is kept (RUN_DIR/data/part-*.safetensors);
+1. data: the target answers the built-in prompts (common/training/prompts.py), and with
+   --self-instruct N the prompts it wrote itself first, at a few temperatures; its top-K distribution
+   at every position is kept (RUN_DIR/data/part-*.safetensors, self_instruct.json);
 2. train: KL(target top-K || draft) on the answer positions, AdamW, cosine schedule; the embedding and
    LM head are the target's and stay frozen unless --train-shared (RUN_DIR/train_state.pt);
 3. export: RUN_DIR/draft/ holds config.json (naming the target for the shared tensors) and the
@@ -36,8 +37,10 @@ from common.training import prompts as builtin_prompts
 from common.training.data import Sequences, generate_batch
 from common.training.draft import build_draft, save_draft, target_reference
 from common.training.measure import acceptance, match_flags, target_texts
+from common.training.self_instruct import self_instruct_prompts
 
 STATE_FILE = "train_state.pt"
+SELF_INSTRUCT_FILE = "self_instruct.json"
 
 
 class RunLog:
@@ -78,6 +81,30 @@ def eos_ids(tokenizer, target: Transformer) -> set[int]:
 
 
 # ------------------------------------------------------------------------------------------------ stage 1
+def self_instructed(args, target, tokenizer, chat: bool, eos: set[int], log: RunLog) -> list[str]:
+    """The prompts the target wrote itself for this data (--self-instruct): made once, kept in the data
+    directory, where every later run on that data (training runs with --existing-data-only too) reads
+    them, so their data parts line up with the same prompt batches."""
+    path = (args.data_dir or args.out / "data") / SELF_INSTRUCT_FILE
+    if path.exists():
+        saved = json.loads(path.read_text())
+        if args.self_instruct not in (0, saved["instructions"]):
+            raise SystemExit(f"--self-instruct {args.self_instruct}: the data in {path.parent} was made "
+                             f"with --self-instruct {saved['instructions']}")  # fmt: skip
+        return saved["prompts"]
+    if not args.self_instruct or args.existing_data_only:
+        return []
+    t0 = time.monotonic()
+    prompts, counts = self_instruct_prompts(
+        target, tokenizer, lambda texts: prompt_ids(tokenizer, texts, chat), eos, args.self_instruct,
+        args.seed, args.gen_batch_size,
+    )  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**counts, "seed": args.seed, "prompts": prompts}, indent=1) + "\n")
+    log("self_instruct", seconds=round(time.monotonic() - t0, 1), **counts)
+    return prompts
+
+
 def make_data(args, target: Transformer, prompts: list[list[int]], eos: set[int], log: RunLog, deadline):
     """Generates the missing data parts; returns all data, or None when the deadline came first."""
     jobs = [
@@ -300,6 +327,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperatures", type=parse_floats, default=[0.0, 0.7, 1.0])
     ap.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt at each T > 0")
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N training prompts")
+    ap.add_argument(
+        "--self-instruct",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also the prompts the target writes in answer to N instructions (numbered lists of "
+        "questions; common/training/self_instruct.py), kept in the data directory",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=16, help="target probabilities kept per position")
     ap.add_argument(
@@ -365,7 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.self_instruct < 0:
+        parser.error(f"--self-instruct: {args.self_instruct} is negative (instructions to answer, 0 = none)")
     deadline = time.monotonic() + (args.max_minutes * 60 if args.max_minutes else math.inf)
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -376,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     chat = bool(getattr(tokenizer, "chat_template", None)) and not args.no_chat
     eos = eos_ids(tokenizer, target)
     texts = builtin_prompts.training_prompts(args.seed)[: args.num_prompts]
+    texts += self_instructed(args, target, tokenizer, chat, eos, log)
     data = make_data(args, target, prompt_ids(tokenizer, texts, chat), eos, log, deadline)
     if data is None or args.data_only:
         return 0

