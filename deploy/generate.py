@@ -153,6 +153,19 @@ ROWS: list[tuple[str, list[dict]]] = [
               + quantiles("specsplit_verify_step_seconds", SEL)),
         panel("Target-draft round trip", "s", quantiles("specsplit_draft_round_trip_seconds", TARGET),
               "Draft request sent to proposal received, seen from the target."),
+        panel("Target step: GPU, host, GPU queue (mean)", "s",
+              [(per(f"specsplit_step_{part}_seconds_sum", TARGET, f"specsplit_step_{part}_seconds_count",
+                    TARGET), f"{part} {{{{model}}}}") for part in ("gpu", "host", "gpu_queue")],
+              "Per verify step on a GPU: the replay's GPU time; host work (the step's wall time minus its "
+              "waits for the draft and the GPU); and the wait beyond its own GPU time, its kernels queued "
+              "behind others on the GPU (a draft on the same GPU)."),
+        panel("Draft tokens asked per request (policy k)", "short", [
+            (per("specsplit_spec_step_tokens_sum", TARGET, "specsplit_spec_step_tokens_count", TARGET),
+             "mean k {{model}}"),
+            (per("specsplit_spec_step_tokens_bucket", f'{TARGET}, le="0.0"',
+                 "specsplit_spec_step_tokens_count", TARGET), "plain step share {{model}}"),
+        ], "The speculation policy's k per step (--speculation-policy adaptive lowers it to 0 where "
+           "drafting does not pay), and the share of steps with k = 0."),
     ]),
     ("Load", [
         panel("Running and waiting requests", "short", [
