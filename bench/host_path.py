@@ -175,6 +175,10 @@ def run(
     wall = time.perf_counter() - t0
     sched.stop()
     loop.call_soon_threadsafe(loop.stop)
+    wanted = sum(max(1, steps * (i + 1) // batch) if drain else steps for i in range(batch))
+    if received[0] != wanted:  # a failed step ends its requests early: no throughput to report
+        missing = wanted - received[0]
+        raise RuntimeError(f"{missing} of {wanted} tokens never came (a step failed: see the log)")
     n = len(runner.widths)
     series = {s.name: s.value for fam in registry.collect() for s in fam.samples}
 

@@ -110,10 +110,12 @@ class ModeGate:
         sooner), else `default`.
         A batch that drains through the buckets (16, 8, 4, 2, 1 as requests finish) would otherwise pay
         a window of the worse mode in each."""
+        # Both modes measured there: a rate, not an estimate (rated_at -1). A mode whose warm-up ended has a
+        # rated_at but no rate yet (a KeyError here failed a draining batch's running requests).
         decided = [
             (self.costs.distance(b, bucket), b)
             for b in {b for b, _ in self.rate}
-            if all(self.rated_at.get((b, m), -1) >= 0 for m in (True, False))
+            if all((b, m) in self.rate and self.rated_at[b, m] >= 0 for m in (True, False))
         ]
         if not decided:
             return _Window(default)
@@ -131,6 +133,39 @@ class ModeGate:
 
     def want(self, batch: int, default: bool = True) -> bool:
         return self._window(self.costs.bucket(batch), default).on
+
+    def unmeasured(self, batch: int) -> bool:
+        """Whether the bucket's current mode has never completed a measured window there (and this window
+        is no try): the windows `model_says` may end."""
+        bucket = self.costs.bucket(batch)
+        w = self.state.get(bucket)
+        return w is not None and not w.trying and (bucket, w.on) not in self.rate
+
+    def model_says(self, batch: int, on: float, off: float) -> None:
+        """The policy's model, from timed steps, rates the two modes at `on` and `off` tokens per second.
+        While a mode has never completed a measured window in this bucket (its warm-up or its first
+        measured window), the model rating it below EARLY_LOSS of the other ends that window after
+        EARLY_STEPS steps: the model's ratio stands in for its rate (an estimate, from the other mode's
+        measured rate once there is one) and it is tried after a quarter of the usual wait, as a nearest
+        bucket's estimate is. Before, a mode's first windows ran their full length with nothing measured
+        to lose against: on the real SmolLM2 pair's costs (1 ms step, 2 ms round trip, α 0.52) that was
+        24 speculative steps at 0.6x plain, 20 % of a 128-token request (bench/host_path.py)."""
+        if not self.unmeasured(batch):
+            return
+        bucket = self.costs.bucket(batch)
+        w = self.state[bucket]
+        if w.steps < self.settle + EARLY_STEPS:
+            return
+        mine, other = (on, off) if w.on else (off, on)
+        if mine >= EARLY_LOSS * other:
+            return
+        measured = self.rate.get((bucket, not w.on))
+        if measured is None:  # nothing measured here yet: the other mode's first window fills it in
+            self.ratio[bucket] = mine / other
+        else:
+            self.rate[bucket, w.on], self.rated_at[bucket, w.on] = measured * mine / other, -1
+        every = max(1, self.explore_every // 4)
+        self.state[bucket] = _Window(not w.on, windows=w.windows + 1, every=every)
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
         """One step's output tokens and wall time."""

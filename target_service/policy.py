@@ -77,24 +77,45 @@ class SpeculationPolicy:
         if self.mode == FIXED or max_k == 0:
             return max_k
         if self.gate is not None and self.gate.mode(len(batch)) is False:
-            self.gated = True  # off for this window: no estimate needed (a plain step's host time)
+            self.gated = True  # off for this window: no estimate needed (a plain step's host time) ...
+            if self.gate.unmeasured(len(batch)):  # ... but in plain's first windows the model may end them
+                goodput = self._goodput(batch, max_k)
+                if isinstance(goodput, list):
+                    self._tell_gate(len(batch), goodput)
             return 0
-        tokens = self.batch_tokens(batch, max_k)
-        goodput = []
-        for k in range(max_k + 1):
-            seconds = self.costs.step_seconds(len(batch), k)
-            if seconds is None:
-                return k  # no verify cost measured at or below this width for this batch: measure it
-            goodput.append(tokens[k] / max(seconds, 1e-9))
+        goodput = self._goodput(batch, max_k)
+        if isinstance(goodput, int):
+            return goodput  # no verify cost measured at or below this width for this batch: measure it
         best_k = max(range(max_k + 1), key=goodput.__getitem__)
         self.gated = self.gate is not None
         if self.gate is not None:
+            self._tell_gate(len(batch), goodput)
             if not self.gate.want(len(batch), default=best_k > 0):
                 return 0
             # On: the model's best k >= 1 (measured windows may say speculation pays where the model says
             # not).
             best_k = max(range(1, max_k + 1), key=goodput.__getitem__)
         return self._refresh(len(batch), best_k, goodput) if best_k else 0
+
+    def _goodput(self, batch: Sequence[Request], max_k: int) -> list[float] | int:
+        """Expected output tokens per second of a step at each k in 0..max_k, or the first k with no
+        cost to estimate it from."""
+        tokens = self.batch_tokens(batch, max_k)
+        goodput = []
+        for k in range(max_k + 1):
+            seconds = self.costs.step_seconds(len(batch), k)
+            if seconds is None:
+                return k
+            goodput.append(tokens[k] / max(seconds, 1e-9))
+        return goodput
+
+    def _tell_gate(self, batch: int, goodput: list[float]) -> None:
+        """The model's rates of both modes, when k = 0 and the best k >= 1 are timed steps (not parts):
+        the gate may end a first window the model clearly rates the loser."""
+        best = max(range(1, len(goodput)), key=goodput.__getitem__)
+        b = self.costs.bucket(batch)
+        if (b, 0) in self.costs.step and (b, best) in self.costs.step:
+            self.gate.model_says(batch, goodput[best], goodput[0])
 
     def _refresh(self, batch: int, best: int, goodput: list[float]) -> int:
         """`best`, or a close rival k whose timing has gone stale (REFRESH_AGE), for REFRESH_STEPS steps."""

@@ -260,6 +260,61 @@ def test_a_new_bucket_starts_in_the_better_mode_of_the_nearest_measured_one():
     assert fresh[:4] == [(True, 8), (True, 16), (False, 8), (False, 6)]
 
 
+def test_a_new_bucket_ignores_a_neighbour_whose_second_mode_has_only_warmed_up():
+    # Bucket 16 measured on, then ran off's warm-up half window (off now has a rated_at but no rate); a
+    # batch draining to 8 then starts bucket 8. That raised a KeyError inside the step (one in ~7 draining
+    # runs of bench/host_path.py --drain), which failed every running request.
+    gate = ModeGate(StepCosts([1, 2, 4, 8, 16]))
+    windows = _bucket_windows(gate, 16, lambda step, on: 1500.0 if on else 1000.0, 8 + 16 + 8)
+    assert windows == [(True, 8), (True, 16), (False, 8)]
+    assert (16, False) in gate.rated_at and (16, False) not in gate.rate
+    assert gate.want(8, default=False) is False  # no measured neighbour: the caller's default
+    assert 8 not in gate.ratio
+
+
+def test_a_first_window_the_model_clearly_rates_the_loser_ends_early():
+    # The real SmolLM2 pair's shape: speculation measures 500 tok/s against 800 plain, and the policy's
+    # model (from timed steps) says so. Told after each step, the gate leaves the bucket's first window
+    # (on, a warm-up) after 2 + 4 steps, estimates on from the model's ratio and tries it after 4
+    # windows, where the measured loss (below 0.7x) ends the try after 6 steps.
+    def run(model: tuple[float, float] | None, steps: int = 16 * 12, on_rate: float = 500.0):
+        gate, windows, index = ModeGate(StepCosts([1, 2, 4])), [], None
+        for _ in range(steps):
+            on = gate.want(1)
+            if model is not None:
+                gate.model_says(1, *model)
+            if gate.state[1].windows != index:
+                index = gate.state[1].windows
+                windows.append([gate.state[1].on, 0])
+            windows[-1][1] += 1
+            gate.observe(1, 4, 4 / (on_rate if on else 800.0))
+        return gate, [tuple(w) for w in windows]
+
+    gate, windows = run((500.0, 800.0))
+    assert windows[:6] == [(True, 6), (False, 8), (False, 16), (False, 16), (False, 16), (False, 16)]
+    assert windows[6] == (True, 6)  # the try
+    assert gate.rate[(1, True)] == pytest.approx(500.0)  # measured by the try, no longer the estimate
+    # Power: without the model the first window runs its warm-up and a full measured window (on has
+    # nothing measured to lose against), 24 steps at 0.6x.
+    _, windows = run(None)
+    assert windows[:3] == [(True, 8), (True, 16), (False, 8)]
+    # A model that rates them close (0.9x) leaves the gate to measure; and once a mode is measured in the
+    # bucket, the model no longer ends windows there.
+    _, windows = run((720.0, 800.0))
+    assert windows[:3] == [(True, 8), (True, 16), (False, 8)]
+    gate, _ = run(None, steps=16 * 3)
+    state = gate.state[1]
+    gate.model_says(1, 100.0, 800.0)
+    assert gate.state[1] is state
+    # The other way round: on (1500) measured first; plain's first window, a warm-up, ends after 6 steps,
+    # its rate estimated from on's measured one and the model's ratio, and tried after 4 windows (ending
+    # after 6 steps again, measured this time).
+    gate, windows = run((1500.0, 800.0), on_rate=1500.0)
+    assert windows[:7] == [(True, 8), (True, 16), (False, 6)] + [(True, 16)] * 4
+    assert windows[7] == (False, 6)
+    assert gate.rate[(1, False)] == pytest.approx(800.0) and gate.rated_at[(1, False)] >= 0
+
+
 def test_gate_per_batch_bucket():
     gate = ModeGate(StepCosts([1, 2, 4]))
     for _ in range(64):  # bucket 1: on wins; bucket 4: off wins
@@ -304,15 +359,19 @@ def test_measured_windows_overrule_the_model_both_ways():
     assert chosen[:24] == [4] * 24 and chosen[24:48] == [0] * 24
     late = chosen[64:]
     assert 0.85 <= sum(k == 0 for k in late) / len(late) < 1.0
-    # The model says plain wins (speculative steps timed at 9 ms), but whole speculative steps take 2 ms
-    # for 3.4 tokens against 1 ms per plain token: speculation at the model's best k >= 1, mostly.
+    # The model says plain wins (speculative steps timed at 9 ms, and here the timings never refresh),
+    # but whole speculative steps take 2 ms for 3.4 tokens against 1 ms per plain token. The model, rating
+    # speculation below 0.7x from timed steps, ends its first window after 6 steps (ModeGate.model_says);
+    # the try 4 windows later is measured whatever the model says, and from then on it is speculation
+    # at the model's best k >= 1, mostly.
     c = costs(1, {1: 1.0e-3, 2: 1.02e-3, 3: 1.04e-3, 4: 1.07e-3, 5: 1.1e-3}, draft=0.3e-3)
     for k in range(5):
         c.observe_step(1, k, 9e-3 if k else 1e-3, verify=1e-3, draft_wait=0.0)
     policy = SpeculationPolicy("adaptive", c)
     chosen = _gated_choices(policy, batch, lambda k: 2e-3 if k else 1e-3)
-    assert chosen[:24] == [0] * 24 and set(chosen[24:48]) == {4}
-    late = chosen[64:]
+    assert chosen[:24] == [0] * 24 and chosen[24:30] == [4] * 6 and chosen[30:94] == [0] * 64
+    assert chosen[94:110] == [4] * 16  # the try, a whole measured window
+    late = chosen[94:]
     assert 0.85 <= sum(k == 4 for k in late) / len(late) < 1.0
     # Without the gate the model alone decides: plain throughout (the power of the check above).
     assert set(_gated_choices(SpeculationPolicy("adaptive", c, gate=False), batch, lambda k: 2e-3)) == {0}
