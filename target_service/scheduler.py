@@ -198,6 +198,7 @@ class Scheduler:
         # Plain steps in a row that waited for no ask: past PLAIN_SETTLE of them, one is timed as k = 0.
         self.plain_run = PLAIN_SETTLE  # at start the draft runs nothing
         self.spec_run = 0  # speculative steps in a row (the branch gate's settle)
+        self.policy_errors = 0  # exceptions the policy, gates or accounting raised (_safely)
         # The ask for the next step is sent in this step's commit: its seconds are the next step's cost
         # (a plain step that precedes a speculative one would otherwise pay for it, and the last step of
         # a run at k, followed by a plain one, would not).
@@ -349,13 +350,30 @@ class Scheduler:
         drafted_rows, accepted = self._commit(batch, drafts, result.tokens, result.accepted)
         t4 = time.perf_counter()
         self.session.note_step(drafted_rows, accepted, t3 - t2)
-        self._account(batch, width, result, bool(new), t0, t1, t2, t3, t4)
+        marks = (t0, t1, t2, t3, t4)
+        self._safely("the step's accounting", self._account, None, batch, width, result, bool(new), *marks)
+
+    def _safely(self, what: str, fn, default, *args):
+        """fn(*args), or `default` when it raises: the policy, the gates and the step's accounting only
+        choose k or learn costs, and a bug there must cost speculation, not the batch's requests (the
+        step's tokens are verified by then). A gate bug failed every running request of draining
+        batches before (ModeGate._first_window)."""
+        try:
+            return fn(*args)
+        except Exception:
+            self.policy_errors += 1
+            if self.policy_errors <= 3 or self.policy_errors % 1000 == 0:
+                log.exception("%s failed (%d times so far); decoding on", what, self.policy_errors)
+            return default
 
     def _ask(self, batch: list[Request], subset: list[Request] | None = None) -> None:
         """Ask the draft for the policy's k (chosen for the whole batch) for `subset` (default: all)."""
-        k = self.policy.choose(batch) if self.session.attached else 0
+        k = 0
+        if self.session.attached:
+            k = self._safely("the speculation policy", self.policy.choose, 0, batch)
         if self.branch_gate is not None:
-            self.session.want_branches = self.branch_gate.want(len(batch))
+            gate = self.branch_gate
+            self.session.want_branches = self._safely("the branch gate", gate.want, True, len(batch))
         self.session.ask(batch if subset is None else subset, k, self.runner.max_context)
         if subset is None:
             self.metrics.step_k.observe(k)

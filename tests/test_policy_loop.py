@@ -144,3 +144,37 @@ def test_step_host_time_leaves_out_the_wait_for_a_busy_gpu():
     # Power: with no queue the same loop reports none, and the host time stays below the queue's 3 ms.
     idle = run(1, 60, None, 4, SimulatedRunner(0.5, gpu, 0.0, 0.0), SimulatedDraft(1e-3), policy="fixed")
     assert idle["step_gpu_queue_ms"] < 1.0 and idle["step_host_ms"] < 1.5, idle
+
+
+def test_a_failing_policy_or_gate_costs_speculation_not_requests(monkeypatch, caplog):
+    """The policy, the gates and the step's accounting only choose k and learn costs: when they raise,
+    the step goes on (k = 0 for that ask) and every request still gets all its tokens (`run` raises
+    when some never come). Before, a gate bug failed all running requests of the step, its verified
+    tokens lost. (The simulated runner accepts made-up drafts, so its text is no reference: the
+    services' lossless tests compare outputs.)"""
+    from target_service.policy import SpeculationPolicy
+
+    calls = {"choose": 0, "observe": 0}
+    choose, observe = SpeculationPolicy.choose, ModeGate.observe
+
+    def flaky_choose(self, batch):
+        calls["choose"] += 1
+        if calls["choose"] % 3 == 0:
+            raise RuntimeError("policy bug")
+        return choose(self, batch)
+
+    def flaky_observe(self, *args):
+        calls["observe"] += 1
+        if calls["observe"] % 4 == 0:
+            raise KeyError("gate bug")
+        return observe(self, *args)
+
+    monkeypatch.setattr(SpeculationPolicy, "choose", flaky_choose)
+    monkeypatch.setattr(ModeGate, "observe", flaky_observe)
+    runner = SimulatedRunner(0.8)
+    with caplog.at_level("ERROR", logger="specsplit.target"):
+        spec = run(4, 60, None, 4, runner, SimulatedDraft(), policy="adaptive")  # raises if tokens are lost
+    assert [len(out) for out in spec["outputs"]] == [60] * 4
+    assert any(w > 1 for w in runner.widths) and calls["choose"] >= 3 and calls["observe"] >= 4  # both failed
+    assert "the speculation policy failed" in caplog.text
+    assert "failing the running requests" not in caplog.text
