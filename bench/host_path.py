@@ -158,13 +158,13 @@ def run(
                 ids += item.token_ids
 
     consumers = []
+    wants = [max(1, steps * (i + 1) // batch) if drain else steps for i in range(batch)]
     for i in range(batch):
         out = StreamOut(loop, 1 << 20, lambda: None)
         outputs.append([])
         consumers.append(asyncio.run_coroutine_threadsafe(read(out, outputs[-1]), loop))
         detok = StreamDetokenizer(tokenizer, [])
-        want = max(1, steps * (i + 1) // batch) if drain else steps
-        req = Request(request_id=f"r{i}", prompt=[1, 2, 3], max_new_tokens=want, temperature=0.0, top_k=0,
+        req = Request(request_id=f"r{i}", prompt=[1, 2, 3], max_new_tokens=wants[i], temperature=0.0, top_k=0,
                       top_p=1.0, seed=0, k=k, stop_ids=frozenset(), detok=detok)  # fmt: skip
         req.out = out
         sched.submit(req)
@@ -175,7 +175,7 @@ def run(
     wall = time.perf_counter() - t0
     sched.stop()
     loop.call_soon_threadsafe(loop.stop)
-    wanted = sum(max(1, steps * (i + 1) // batch) if drain else steps for i in range(batch))
+    wanted = sum(wants)
     if received[0] != wanted:  # a failed step ends its requests early: no throughput to report
         missing = wanted - received[0]
         raise RuntimeError(f"{missing} of {wanted} tokens never came (a step failed: see the log)")

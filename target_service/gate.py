@@ -163,7 +163,7 @@ class ModeGate:
         if measured is None:  # nothing measured here yet: the other mode's first window fills it in
             self.ratio[bucket] = mine / other
         else:
-            self.rate[bucket, w.on], self.rated_at[bucket, w.on] = measured * mine / other, -1
+            self._estimate((bucket, w.on), measured * mine / other)
         every = max(1, self.explore_every // 4)
         self.state[bucket] = _Window(not w.on, windows=w.windows + 1, every=every)
 
@@ -195,8 +195,12 @@ class ModeGate:
         self.rate[key] = rate if fresh else 0.5 * self.rate[key] + 0.5 * rate
         self.rated_at[key] = w.windows
         other = (bucket, not w.on)
-        if other not in self.rate and bucket in self.ratio:  # estimated (rated_at -1: a try replaces it)
-            self.rate[other], self.rated_at[other] = rate * self.ratio[bucket], -1
+        if other not in self.rate and bucket in self.ratio:
+            self._estimate(other, rate * self.ratio[bucket])
+
+    def _estimate(self, key: tuple[int, bool], rate: float) -> None:
+        """A rate not measured here (rated_at -1): `describe` marks it, a try's measurement replaces it."""
+        self.rate[key], self.rated_at[key] = rate, -1
 
     def _next_window(self, bucket: int, w: _Window) -> _Window:
         """The window after `w`: the other mode if it is still unmeasured, else the better one, or a try

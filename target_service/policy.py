@@ -81,7 +81,7 @@ class SpeculationPolicy:
             if self.gate.unmeasured(len(batch)):  # ... but in plain's first windows the model may end them
                 goodput = self._goodput(batch, max_k)
                 if isinstance(goodput, list):
-                    self._tell_gate(len(batch), goodput)
+                    self._tell_gate(len(batch), goodput, self._best_on(goodput))
             return 0
         goodput = self._goodput(batch, max_k)
         if isinstance(goodput, int):
@@ -89,12 +89,13 @@ class SpeculationPolicy:
         best_k = max(range(max_k + 1), key=goodput.__getitem__)
         self.gated = self.gate is not None
         if self.gate is not None:
-            self._tell_gate(len(batch), goodput)
-            if not self.gate.want(len(batch), default=best_k > 0):
-                return 0
             # On: the model's best k >= 1 (measured windows may say speculation pays where the model says
             # not).
-            best_k = max(range(1, max_k + 1), key=goodput.__getitem__)
+            best_on = self._best_on(goodput)
+            self._tell_gate(len(batch), goodput, best_on)
+            if not self.gate.want(len(batch), default=best_k > 0):
+                return 0
+            best_k = best_on
         return self._refresh(len(batch), best_k, goodput) if best_k else 0
 
     def _goodput(self, batch: Sequence[Request], max_k: int) -> list[float] | int:
@@ -109,13 +110,16 @@ class SpeculationPolicy:
             goodput.append(tokens[k] / max(seconds, 1e-9))
         return goodput
 
-    def _tell_gate(self, batch: int, goodput: list[float]) -> None:
-        """The model's rates of both modes, when k = 0 and the best k >= 1 are timed steps (not parts):
-        the gate may end a first window the model clearly rates the loser."""
-        best = max(range(1, len(goodput)), key=goodput.__getitem__)
-        b = self.costs.bucket(batch)
-        if (b, 0) in self.costs.step and (b, best) in self.costs.step:
-            self.gate.model_says(batch, goodput[best], goodput[0])
+    @staticmethod
+    def _best_on(goodput: list[float]) -> int:
+        """The best k >= 1."""
+        return max(range(1, len(goodput)), key=goodput.__getitem__)
+
+    def _tell_gate(self, batch: int, goodput: list[float], best_on: int) -> None:
+        """The model's rates of both modes, when k = 0 and `best_on` are timed steps, not parts: in a mode's
+        first windows the gate may end one the model clearly rates the loser (ModeGate.model_says)."""
+        if self.costs.timed(batch, 0) and self.costs.timed(batch, best_on):
+            self.gate.model_says(batch, goodput[best_on], goodput[0])
 
     def _refresh(self, batch: int, best: int, goodput: list[float]) -> int:
         """`best`, or a close rival k whose timing has gone stale (REFRESH_AGE), for REFRESH_STEPS steps."""
@@ -151,7 +155,7 @@ class SpeculationPolicy:
         out = []
         for k in range(max_k + 1):
             seconds = self.costs.step_seconds(len(batch), k)
-            timed = "timed" if (self.costs.bucket(len(batch)), k) in self.costs.step else "parts"
+            timed = "timed" if self.costs.timed(len(batch), k) else "parts"
             rate = f"{tokens[k] / seconds:.0f} tok/s" if seconds else "?"
             ms = f"{seconds * 1e3:.2f} ms" if seconds else "?"
             out.append(f"k={k} {ms} ({timed}) x {tokens[k]:.2f} tok = {rate}")

@@ -81,6 +81,10 @@ class StepCosts:
         last = self.timed_at.get((b, k))
         return math.inf if last is None else self.steps_at[b] - last
 
+    def timed(self, batch: int, k: int) -> bool:
+        """Whether whole steady steps at k were timed at this bucket (else its cost is its parts)."""
+        return (self.bucket(batch), k) in self.step
+
     def restart(self, batch: int, k: int) -> None:
         """k's next samples at this bucket replace its old ones (its median stays until the first)."""
         b = self.bucket(batch)

@@ -143,15 +143,17 @@ def test_new_requests_start_from_the_service_acceptance():
     assert policy.choose(reqs(1)) == 0  # a fresh request does not re-learn that
 
 
-def _bucket_windows(gate: ModeGate, batch: int, rate, steps: int) -> list[tuple[bool, int]]:
+def _bucket_windows(gate: ModeGate, batch: int, rate, steps: int, model=None) -> list[tuple[bool, int]]:
     """(mode, steps) of each window `gate` runs at `batch`, when a step emits 4 tokens at rate(step, on)
-    tokens per second."""
+    tokens per second; model = (on, off): the policy's model rates, told to the gate every step."""
     windows, index, bucket = [], None, gate.costs.bucket(batch)
     for step in range(steps):
         on = gate.want(batch)
+        if model is not None:
+            gate.model_says(batch, *model)
         if gate.state[bucket].windows != index:
             index = gate.state[bucket].windows
-            windows.append([on, 0])
+            windows.append([gate.state[bucket].on, 0])
         windows[-1][1] += 1
         gate.observe(batch, 4, 4 / rate(step, on))
     return [tuple(w) for w in windows]
@@ -278,17 +280,8 @@ def test_a_first_window_the_model_clearly_rates_the_loser_ends_early():
     # (on, a warm-up) after 2 + 4 steps, estimates on from the model's ratio and tries it after 4
     # windows, where the measured loss (below 0.7x) ends the try after 6 steps.
     def run(model: tuple[float, float] | None, steps: int = 16 * 12, on_rate: float = 500.0):
-        gate, windows, index = ModeGate(StepCosts([1, 2, 4])), [], None
-        for _ in range(steps):
-            on = gate.want(1)
-            if model is not None:
-                gate.model_says(1, *model)
-            if gate.state[1].windows != index:
-                index = gate.state[1].windows
-                windows.append([gate.state[1].on, 0])
-            windows[-1][1] += 1
-            gate.observe(1, 4, 4 / (on_rate if on else 800.0))
-        return gate, [tuple(w) for w in windows]
+        gate = ModeGate(StepCosts([1, 2, 4]))
+        return gate, _bucket_windows(gate, 1, lambda step, on: on_rate if on else 800.0, steps, model)
 
     gate, windows = run((500.0, 800.0))
     assert windows[:6] == [(True, 6), (False, 8), (False, 16), (False, 16), (False, 16), (False, 16)]
