@@ -185,8 +185,10 @@ class ModeGate:
             return
         if w.steps < self.window and not self._clear_loss(w, self.rate.get((bucket, not w.on))):
             return
+        mine, other = self.rate.get(key), self.rate.get((bucket, not w.on))
+        was_best = not w.trying and mine is not None and other is not None and mine >= other
         self._record(bucket, w)
-        self.state[bucket] = self._next_window(bucket, w)
+        self.state[bucket] = self._next_window(bucket, w, fell=was_best)
 
     def _record(self, bucket: int, w: _Window) -> None:
         """The ended window's rate: replaces one measured windows ago, else smooths the last one's."""
@@ -202,15 +204,21 @@ class ModeGate:
         """A rate not measured here (rated_at -1): `describe` marks it, a try's measurement replaces it."""
         self.rate[key], self.rated_at[key] = rate, -1
 
-    def _next_window(self, bucket: int, w: _Window) -> _Window:
+    def _next_window(self, bucket: int, w: _Window, fell: bool = False) -> _Window:
         """The window after `w`: the other mode if it is still unmeasured, else the better one, or a try
-        of the worse one once `every` windows have passed (doubling after each try it loses)."""
+        of the worse one once `every` windows have passed (doubling after each try it loses). `fell`: `w`
+        ran the better mode (no try) and its rate fell below the other's."""
         every = w.every or self.explore_every
         on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
         if on is None or off is None:
             return _Window(on is None, windows=w.windows + 1, every=every)
         best = on >= off
-        if best != (w.on != w.trying):  # the better mode changed (a try runs the other one): start over
+        if best != w.on and fell:  # the mode in use fell below the other's last rate: switch, and try
+            # it again after one window (then 2, 4, ...), for one slow window can do that. One H200, B=1:
+            # branches ran 650 tok/s on, 446 off, until one window at ~270 (smoothed to 460) switched them
+            # off for the rest of the run, at 0.92x fixed k = 4's throughput.
+            every, since = 1, 0
+        elif best != (w.on != w.trying):  # the better mode changed (a try won, or a first measure): start over
             every, since = self.explore_every, 0
         else:  # the same: a try that lost again waits twice as long for the next
             every = min(2 * every, self.max_explore_every) if w.trying else every

@@ -95,9 +95,43 @@ def test_whole_step_wall_time_outranks_its_parts():
         c.observe_step(1, k, 6.2e-3, verify=2.6e-3, draft_wait=0.3e-3)
     assert c.step_seconds(1, 4) == pytest.approx(6.2e-3)
     assert policy.choose(batch) == 0
-    # An untimed k is its parts plus the host residue seen at this bucket (median of 0.2, 3.3 x 4 ms).
+    # An untimed k is its parts: the verify, the draft wait and the host residue seen at this bucket
+    # (median of 0.2, 3.3 x 4 ms), scaled by whole / parts of the nearest timed k (k = 1: 6.2 / 6.1 ms).
     c.step.pop((1, 2))
-    assert c.step_seconds(1, 2) == pytest.approx(2.5e-3 + 0.3e-3 + 3.3e-3)
+    assert c.parts_seconds(1, 2) == pytest.approx(2.5e-3 + 0.3e-3 + 3.3e-3)
+    assert c.step_seconds(1, 2) == pytest.approx(6.1e-3 * 6.2 / 6.1)
+
+
+def test_an_untimed_k_is_interpolated_between_buckets_or_scaled_like_the_nearest_timed_step():
+    # One H200, 1.5B preset, colocated: the parts said 22.8 ms for k = 4 at bucket 32 (a draining batch)
+    # where whole steps at k = 4 took 5.8 ms at bucket 16 and 11.6 ms at 64; at B=1 they said 7-8 ms for
+    # k = 1-3 against 5.5 ms timed at k = 4 (the draft wait of a steady exchange is a whole round trip,
+    # which draft-ahead hides in most steps).
+    c = StepCosts(BUCKETS)
+    for b, verify in ((1, 2e-3), (16, 2.7e-3), (32, 3.5e-3), (64, 5e-3)):
+        for width in range(1, 6):
+            c.observe_verify(b, width, verify)
+        c.observe_draft(b, 4, 3e-3)  # the wait of a steady exchange: a round trip
+    c.observe_step(1, 4, 5.5e-3, verify=2e-3, draft_wait=0.5e-3)  # residue 3 ms
+    c.observe_step(16, 4, 5.8e-3, verify=2.7e-3, draft_wait=0.5e-3)
+    c.observe_step(64, 4, 11.6e-3, verify=5e-3, draft_wait=0.5e-3)
+    c.observe_step(32, 2, 8.2e-3, verify=3.5e-3, draft_wait=0.5e-3)
+    # Between buckets 16 and 64, linear in the batch: 5.8 + (11.6 - 5.8) * 16 / 48.
+    assert c.step_seconds(32, 4) == pytest.approx(5.8e-3 + 5.8e-3 / 3)
+    assert c.step_seconds(25, 4) == c.step_seconds(32, 4)  # batch 25 is bucket 32's
+    # The policy at a batch of 25 then picks k = 4, not the one k timed there (k = 2 at 8.2 ms).
+    batch = reqs(25, alpha=0.8)
+    assert SpeculationPolicy("adaptive", c, gate=False).choose(batch) == 4
+    # Nothing timed at k = 3 anywhere: its parts (2 + 3 + 3 ms at B=1) scaled by the nearest timed
+    # step's whole / parts (k = 4 at B=1: 5.5 / 8 ms), not 8 ms (or k = 3 would never be tried).
+    assert c.parts_seconds(1, 3) == pytest.approx(8e-3)
+    assert c.step_seconds(1, 3) == pytest.approx(8e-3 * 5.5 / 8)
+    # Plain steps scale plain estimates only: k = 0 at B=1 untimed is its parts (2 ms verify + residue
+    # 3 ms) until a plain step is timed somewhere; then it is scaled like it.
+    assert c.step_seconds(1, 0) == pytest.approx(5e-3)
+    c.observe_step(16, 0, 2.9e-3, verify=2.7e-3, draft_wait=0.0)
+    residue_16 = c.residue_seconds(16)  # median of 2.6 and 0.2 ms
+    assert c.step_seconds(1, 0) == pytest.approx(5e-3 * 2.9e-3 / (2.7e-3 + residue_16))
 
 
 def test_unmeasured_batch_measures_plain_then_speculates():
@@ -198,13 +232,33 @@ def test_gate_tries_a_losing_mode_less_often_and_follows_a_change_at_once():
     tries = [i for i, (on, _) in enumerate(windows) if not on and starts[i] < 16 * 150]
     assert tries == [2, 3, 20, 52, 116], tries  # warm-up and first measure, then 16, 32 and 64 windows on
     # The mode in use is measured every window: once it is slower, off within two windows (the second
-    # ends early), and it stays off; on is tried again after 16 windows (the reset after the switch),
-    # then 32, each try ending after 6 steps.
+    # ends early), and it stays off; on, having fallen (not lost a try), is tried again after one window
+    # (one slow window may have been all it was), then after 2, 4, 8, 16 and 32, each try ending after
+    # 6 steps.
     change = next(i for i, s in enumerate(starts) if s + windows[i][1] > 16 * 150)
     after = windows[change:]
     assert after[:3] == [(True, 16), (True, 6), (False, 16)], after[:3]
     ons = [i for i, (on, _) in enumerate(after) if on and i > 1]
-    assert ons == [18, 50] and all(after[i] == (True, 6) for i in ons), ons
+    assert ons == [3, 5, 9, 17, 33, 65] and all(after[i] == (True, 6) for i in ons), ons
+
+
+def test_one_slow_window_of_the_better_mode_costs_one_window_of_the_other():
+    # One H200, B=1: branches on ran ~650 tok/s, off ~446; one window on at ~270 (smoothed with the one
+    # before: 460) put them below off, and off then held for the rest of the run (its next try was 16
+    # windows away). Now the mode that fell is tried again after one window, and stays.
+    def rate(step: int, on: bool) -> float:
+        if on:
+            return 270.0 if 16 * 40 <= step < 16 * 41 else 650.0
+        return 446.0
+
+    windows = _gate_windows(rate, steps=16 * 80)
+    starts = [sum(n for _, n in windows[:i]) for i in range(len(windows))]
+    slow = next(i for i, s in enumerate(starts) if s + windows[i][1] > 16 * 40)
+    after = windows[slow:]
+    # The slow stretch (its second window ends early: below 0.7x off), then off for one window, then on
+    # for good (but for the usual tries of off, 16 windows apart).
+    assert after[:4] == [(True, 11), (True, 6), (False, 16), (True, 16)], after[:4]
+    assert _share_on(after[3:]) > 0.9
 
 
 def test_a_slow_first_window_does_not_hold_a_mode_off():
