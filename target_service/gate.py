@@ -218,7 +218,7 @@ class ModeGate:
             # branches ran 650 tok/s on, 446 off, until one window at ~270 (smoothed to 460) switched them
             # off for the rest of the run, at 0.92x fixed k = 4's throughput.
             every, since = 1, 0
-        elif best != (w.on != w.trying):  # the better mode changed (a try won, or a first measure): start over
+        elif best != (w.on != w.trying):  # the better mode changed (a try won, a first measure): restart
             every, since = self.explore_every, 0
         else:  # the same: a try that lost again waits twice as long for the next
             every = min(2 * every, self.max_explore_every) if w.trying else every
