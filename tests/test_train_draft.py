@@ -178,6 +178,18 @@ def test_held_out_subjects_appear_in_no_training_prompt() -> None:
     assert not any(map(builtin_prompts.names_held_out_subject, training))
 
 
+def test_shipped_drafts_own_prompts_name_no_held_out_subject() -> None:
+    """The prompts the target wrote for the shipped draft's data (self_instruct.json, part of its training
+    set) repeat no built-in or held-out prompt and name no held-out subject, so eval.json stays held out."""
+    saved = json.loads((SHIPPED / "self_instruct.json").read_text())
+    written = saved["prompts"]
+    assert saved["instructions"] == 2000 and saved["kept"] == len(written) == 4853, saved["kept"]
+    assert len({p.casefold() for p in written}) == len(written)
+    known = {p.casefold() for p in builtin_prompts.training_prompts() + builtin_prompts.held_out_prompts()}
+    assert not [p for p in written if p.casefold() in known]
+    assert not [p for p in written if builtin_prompts.names_held_out_subject(p)]
+
+
 def test_unseen_topics_are_in_no_training_or_held_out_prompt() -> None:
     unseen = builtin_prompts.unseen_topic_prompts()
     assert len(unseen) == len(builtin_prompts.UNSEEN_TOPICS) == len(set(unseen))
