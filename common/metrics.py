@@ -91,6 +91,7 @@ class ServiceMetrics:
         if not role or not model:
             raise ValueError(f"ServiceMetrics needs non-empty role and model, got {role=!r} {model=!r}")
         self.role, self.model = role, model
+        self._children: dict[tuple, object] = {}  # _child: labelled children made once
         base = ("role", "model")
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
@@ -243,23 +244,34 @@ class ServiceMetrics:
             self.request_error(code)
         registry.register(TPCommCollector(role, model, comm_stats))
 
+    # Labelled children are looked up per step and per message (accepted-at-position, the gRPC message
+    # counters): prometheus_client's labels() validates and hashes its arguments on every call, 11 % of
+    # the scheduler thread's time in a B=1 speculative step (bench/host_path.py under py-spy). A child
+    # never changes once made, so each is made once and kept here.
+    def _child(self, family, *labels: str):
+        """`family`'s child labelled role, model, *labels."""
+        child = self._children.get((family, labels))
+        if child is None:
+            child = self._children[family, labels] = family.labels(self.role, self.model, *labels)
+        return child
+
     def accepted_at_position(self, position: int):
         """Counter child for draft position `position`, 0-based (0 = first drafted token)."""
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
             raise ValueError(f"position must be an int >= 0 (0-based draft position), got {position!r}")
-        return self._accepted_per_position.labels(self.role, self.model, str(position))
+        return self._child(self._accepted_per_position, str(position))
 
     def finished(self, reason: str):
-        return self._finished.labels(self.role, self.model, _label("reason", reason))
+        return self._child(self._finished, _label("reason", reason))
 
     def request_error(self, code: str):
-        return self._errors.labels(self.role, self.model, _label("code", code))
+        return self._child(self._errors, _label("code", code))
 
     def grpc_bytes(self, direction: str, kind: str):
-        return self._grpc_bytes.labels(self.role, self.model, _direction(direction), _label("kind", kind))
+        return self._child(self._grpc_bytes, _direction(direction), _label("kind", kind))
 
     def grpc_messages(self, direction: str, kind: str):
-        return self._grpc_messages.labels(self.role, self.model, _direction(direction), _label("kind", kind))
+        return self._child(self._grpc_messages, _direction(direction), _label("kind", kind))
 
     def count_grpc_message(self, direction: str, kind: str, nbytes: int) -> None:
         """Counts one message and its serialized size (message.ByteSize())."""
