@@ -1,7 +1,8 @@
 """Host cost of the target's serving loop without a model: the scheduler, the streamer thread and the
 event loop that feeds the streams, around a simulated runner whose step returns at once.
 
-    python bench/host_path.py --batch 16 64 --steps 400 [--k 4] [--stream-interval 4]
+    python bench/host_path.py --batch 16 64 --steps 400 [--k 4] [--stream-interval 4] \
+        [--stream-messages-per-step 0]
     # a policy on a simulated GPU and draft (adaptive against plain: --k 0)
     python bench/host_path.py --batch 1 16 --steps 600 --k 4 --policy adaptive --step-ms 1 \
         --per-position-ms 0.03 --round-trip-ms 1.8 --alpha 0.55 [--drain]
@@ -134,6 +135,7 @@ def run(
     policy: str = "fixed",
     stream_interval: int = 1,
     drain: bool = False,
+    stream_messages_per_step: int | None = None,
 ) -> dict:
     """`batch` requests of `steps` tokens through the serving loop; k > 0 attaches `draft` (default: one
     that answers at once). `drain`: request i of B wants steps * (i + 1) / B tokens, so the batch drains
@@ -142,6 +144,8 @@ def run(
     threading.Thread(target=loop.run_forever, daemon=True).start()
     config = TargetConfig(model="none", max_batch_size=batch, speculation_policy=policy,
                           stream_interval=stream_interval)  # fmt: skip
+    if stream_messages_per_step is not None:  # else the target's default
+        config.stream_messages_per_step = stream_messages_per_step
     registry = CollectorRegistry()
     metrics = ServiceMetrics("target", "host-path", registry=registry)
     runner = runner or SimulatedRunner()
@@ -197,6 +201,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--k", type=int, default=0, help="draft tokens per request and step (0: plain)")
     ap.add_argument("--stream-interval", type=int, default=1, help="the target's --stream-interval")
+    ap.add_argument("--stream-messages-per-step", type=int, default=None,
+                    help="the target's --stream-messages-per-step (default: its default)")  # fmt: skip
     ap.add_argument("--policy", default="fixed", choices=["fixed", "adaptive"], help="with --k > 0")
     # A simulated GPU: each step sleeps this long (0: returns at once), the draft answers this long after
     # the ask, and each drafted token is accepted with probability --alpha.
@@ -212,7 +218,7 @@ def main() -> int:
         draft = SimulatedDraft(args.round_trip_ms * 1e-3)
         t0 = time.perf_counter()
         result = run(b, args.steps, tokenizer, args.k, runner, draft, args.policy, args.stream_interval,
-                     args.drain)  # fmt: skip
+                     args.drain, args.stream_messages_per_step)  # fmt: skip
         result["tokens_per_s"] = result["tokens"] / (time.perf_counter() - t0)
         result["speculative_steps"] = sum(w > 1 for w in runner.widths)
         result.pop("outputs")

@@ -41,6 +41,11 @@ class TargetConfig(ServiceConfig):
         "send a request's tokens once this many are ready (its first and its last at once): fewer "
         "stream writes per step at large batch, for chunkier streams",
     )
+    stream_messages_per_step: int = flag(
+        16,
+        "at most this many stream messages per step (0: no limit), the requests waiting longest first: "
+        "token-by-token streams up to this many requests, chunks of about B / N tokens above",
+    )
     draft_tls_ca: str = flag("", "CA (PEM) to verify the draft service: turns on TLS to the draft")
     draft_tls_cert: str = flag("", "client certificate (PEM) for mTLS to the draft")
     draft_tls_key: str = flag("", "client key (PEM) for mTLS to the draft")
@@ -59,5 +64,7 @@ class TargetConfig(ServiceConfig):
             raise ValueError("--max-stream-backlog: must be >= 1")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval: must be >= 1")
+        if self.stream_messages_per_step < 0:
+            raise ValueError("--stream-messages-per-step: must be >= 0 (0: no limit)")
         if self.draft_timeout <= 0:
             raise ValueError("--draft-timeout: must be > 0")

@@ -57,12 +57,18 @@ class Streamer:
     finishes it at its next step (tokens verified meanwhile are never streamed).
     """
 
-    def __init__(self, metrics: ServiceMetrics, on_done, interval: int = 1):
+    def __init__(self, metrics: ServiceMetrics, on_done, interval: int = 1, per_step: int = 0):
         self.metrics = metrics
         self.on_done = on_done
         # A request's tokens leave once `interval` are ready (its first at once): at B=64 one write per
         # request per step costs the event loop more CPU than the rest of the step's host work.
         self.interval = interval
+        # At most `per_step` messages per step (0: no limit), the requests that waited longest first; the
+        # others keep their tokens for a later step. One H200, 1.5B preset, plain B=64: host time per step
+        # 4.6 ms with a message per request per step, 2.4 ms with one per four (docs/benchmarks.md, ninth
+        # session); a limit keeps streams token by token up to `per_step` requests and bounds the
+        # writes above that, where --stream-interval chunks every stream at every batch size.
+        self.per_step = per_step
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="streamer", daemon=True)
         self._outbox: list[tuple[StreamOut, object]] = []
@@ -102,11 +108,18 @@ class Streamer:
     def _handle(self, item: tuple, done: list[Request]) -> None:
         kind, payload, now = item
         if kind == "tokens":
-            streamed = 0
+            due = []
             for req, new in payload:
                 try:
-                    streamed += self._tokens(req, new, now)
+                    if self._push(req, new):
+                        due.append(req)
                 except Exception:  # a client-side failure must not stop the other streams
+                    log.exception("streaming request %s failed", req.request_id)
+            streamed = 0
+            for req in self._within_limit(due):
+                try:
+                    streamed += self._send_held(req, now)
+                except Exception:
                     log.exception("streaming request %s failed", req.request_id)
             self.metrics.generated_tokens.inc(streamed)
             return
@@ -117,10 +130,10 @@ class Streamer:
             log.exception("streaming request %s failed", req.request_id)
         done.append(req)
 
-    def _tokens(self, req: Request, new: list[int], now: float) -> int:
-        """Streams what `new` releases; returns how many tokens that was."""
+    def _push(self, req: Request, new: list[int]) -> bool:
+        """Detokenizes `new` into the request's held tokens; returns whether they are due to be sent."""
         if req.cancelled == "stop_string":
-            return 0
+            return False
         delta = req.detok.push(new)
         req.held_ids += delta.token_ids
         req.held_text += delta.text
@@ -128,8 +141,21 @@ class Streamer:
             req.cancelled = "stop_string"
         # Interval 1 sends whatever the detokenizer released, text without ids too (as before the flag).
         due = self.interval == 1 or not req.first_token or len(req.held_ids) >= self.interval or delta.stopped
-        if not (due and (req.held_ids or req.held_text)):
-            return 0
+        return due and bool(req.held_ids or req.held_text)
+
+    def _within_limit(self, due: list[Request]) -> list[Request]:
+        """The due requests this step sends to (--stream-messages-per-step): a first token (time to first
+        token) and a stop string's end (never flushed later) always; then those whose last message is the
+        oldest."""
+        if not self.per_step or len(due) <= self.per_step:
+            return due
+        must = [r for r in due if not r.first_token or r.cancelled == "stop_string"]
+        rest = [r for r in due if r.first_token and r.cancelled != "stop_string"]
+        rest.sort(key=lambda r: r.last_chunk)
+        return must + rest[: max(0, self.per_step - len(must))]
+
+    def _send_held(self, req: Request, now: float) -> int:
+        """Sends the request's held tokens and text; returns how many tokens that was."""
         sent = len(req.held_ids)
         self._send(req, req.held_ids, req.held_text, now)
         req.held_ids, req.held_text = [], ""
@@ -213,7 +239,9 @@ class Scheduler:
         self.accepting = True
         self.stopped = threading.Event()
         self.verify_backend = runner.verify_backend
-        self.streamer = Streamer(metrics, self._delivered, config.stream_interval)
+        self.streamer = Streamer(
+            metrics, self._delivered, config.stream_interval, config.stream_messages_per_step
+        )
         self.phase_seconds = dict.fromkeys(("plan", "propose", "verify", "commit"), 0.0)
         self.steps = 0
         # Labelled series exist from the start, so rate() sees their first increase.
