@@ -215,7 +215,7 @@ class Scheduler:
         self.session = DraftSession(link, metrics, config.draft_timeout)
         self.costs = StepCosts(runner.batch_buckets)
         for (batch, width), seconds in runner.step_costs.items():
-            self.costs.observe_verify(batch, width, seconds)
+            self.costs.observe_startup_verify(batch, width, seconds)
         self.policy = SpeculationPolicy(config.speculation_policy, self.costs)
         # Only the adaptive policy with a draft reads the step costs: nobody else pays for keeping them.
         self.learn_costs = config.speculation_policy == ADAPTIVE and link is not None

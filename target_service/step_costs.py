@@ -52,6 +52,9 @@ class StepCosts:
         self.draft = Medians(window)  # (bucket, k) -> the wait for the draft's answer
         self.step = Medians(window)  # (bucket, k) -> a whole steady step
         self.residue = Medians(window)  # bucket -> a step's wall less its verify and draft wait
+        self.startup: dict[tuple[int, int], float] = {}  # (bucket, width) -> verify timed at start-up
+        self.served: set[tuple[int, int]] = set()  # (bucket, width) of verifies timed in served steps
+        self.drift: dict[int, float] = {}  # bucket -> served / start-up verify, its latest served width
         self.steps_at: collections.Counter = collections.Counter()  # bucket -> steady steps timed
         self.timed_at: dict[tuple[int, int], int] = {}  # (bucket, k) -> steps_at[bucket] at its last
         self._nearest_draft: dict[tuple[int, int], tuple[int, int]] = {}  # (bucket, k) -> draft key used
@@ -73,8 +76,19 @@ class StepCosts:
         """How many buckets apart two buckets are."""
         return abs(self._index[a] - self._index[b])
 
+    def observe_startup_verify(self, batch: int, width: int, seconds: float) -> None:
+        """A verify timed at start-up (TargetRunner.time_steps): its only sample until steps of that width
+        are served, and then scaled by the drift the served widths show (`verify_seconds`)."""
+        key = (self.bucket(batch), width)
+        self.startup[key] = seconds
+        self.verify.observe(key, seconds)
+
     def observe_verify(self, batch: int, width: int, seconds: float) -> None:
-        self.verify.observe((self.bucket(batch), width), seconds)
+        key = (self.bucket(batch), width)
+        self.verify.observe(key, seconds)
+        self.served.add(key)
+        if key in self.startup:
+            self.drift[key[0]] = self.verify[key] / self.startup[key]
 
     def observe_draft(self, batch: int, k: int, seconds: float) -> None:
         self.draft.observe((self.bucket(batch), k), seconds)
@@ -112,7 +126,14 @@ class StepCosts:
     def verify_seconds(self, batch: int, width: int) -> float | None:
         b = self.bucket(batch)
         seconds = self.verify.get((b, width))  # the common case: no scan of the table (every step)
-        return seconds if seconds is not None else self._nearest_below(self.verify, b, width)
+        if seconds is None:
+            return self._nearest_below(self.verify, b, width)
+        if (b, width) not in self.served and b in self.drift:
+            # Start-up timings can be off by a factor: one H200 timed B=1 widths 2-4 while the draft on the
+            # same GPU captured its own graphs, and k = 1-3 were then estimated at 7.4-8.5 ms against
+            # 4.3-5.7 ms served at k = 4. A width never served takes the ratio a served one shows.
+            return seconds * self.drift[b]
+        return seconds
 
     def draft_seconds(self, batch: int, k: int) -> float:
         """The wait for a k-token proposal; an unmeasured k costs what the nearest measured k did (the

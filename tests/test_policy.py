@@ -75,6 +75,25 @@ def test_a_new_bucket_borrows_the_draft_wait_and_residue_of_the_nearest_one():
     assert SpeculationPolicy("adaptive", c, gate=False).choose(batch) == 0
 
 
+def test_start_up_verify_timings_take_the_drift_that_served_steps_show():
+    # One H200, colocated: the start-up timings of B=1 widths 2-4 were taken while the draft captured
+    # its graphs on the same GPU, and the untimed k = 1-3 read 7.4-8.5 ms against 4.3-5.7 ms served at
+    # k = 4. A width never served is scaled by served / start-up of the width served last at its bucket.
+    c = StepCosts(BUCKETS)
+    for b in (1, 16):
+        for width in range(1, 6):
+            c.observe_startup_verify(b, width, 5e-3)  # inflated by the draft's start-up on the GPU
+    assert c.verify_seconds(1, 3) == pytest.approx(5e-3)  # nothing served yet: the start-up figure
+    for _ in range(16):  # served steps at width 5 take 2 ms: the start-up sample is flushed out
+        c.observe_verify(1, 5, 2e-3)
+    assert c.verify_seconds(1, 5) == pytest.approx(2e-3)
+    assert c.verify_seconds(1, 3) == pytest.approx(2e-3)  # 5 ms x 2 / 5
+    assert c.verify_seconds(16, 3) == pytest.approx(5e-3)  # another bucket: its own drift, none yet
+    c.observe_verify(1, 1, 1e-3)  # a served width keeps its own figure
+    assert c.verify_seconds(1, 1) == pytest.approx(3e-3)  # median of the start-up 5 and the served 1
+    assert c.verify_seconds(1, 3) == pytest.approx(5e-3 * 3e-3 / 5e-3)  # the latest served width's drift
+
+
 def test_batch_tokens_matches_expected_tokens():
     batch = reqs(3, alpha=0.6) + reqs(2, k=2, alpha=0.3)
     policy = SpeculationPolicy("adaptive", StepCosts(BUCKETS), gate=False)
