@@ -59,12 +59,6 @@ class StepCosts:
         self.timed_at: dict[tuple[int, int], int] = {}  # (bucket, k) -> steps_at[bucket] at its last
         self._nearest_draft: dict[tuple[int, int], tuple[int, int]] = {}  # (bucket, k) -> draft key used
         self._draft_keys = 0  # len(self.draft) when _nearest_draft was filled
-        self.timed_ks: dict[int, set[int]] = {}  # bucket -> the k's of its timed steps (keys of `step`)
-        # bucket -> every bucket, nearest first (step_seconds runs several times a step: no sort there)
-        self.by_distance = {
-            b: sorted(self.batch_buckets, key=lambda bb, b=b: (self.distance(bb, b), bb))
-            for b in self.batch_buckets
-        }
 
     def bucket(self, batch: int) -> int:
         if batch in self._index:  # a bucket already (most calls inside this class)
@@ -97,7 +91,6 @@ class StepCosts:
         """A steady step's wall time at k, and its parts (what the parts miss is the host residue)."""
         b = self.bucket(batch)
         self.step.observe((b, k), seconds)
-        self.timed_ks.setdefault(b, set()).add(k)
         self.residue.observe(b, max(0.0, seconds - verify - draft_wait))
         self.steps_at[b] += 1
         self.timed_at[b, k] = self.steps_at[b]
@@ -182,14 +175,18 @@ class StepCosts:
         parts = self.parts_seconds(b, k)
         if parts is None:
             return None
-        # The nearest bucket first, then the nearest k; speculative steps calibrate speculative estimates,
-        # plain steps plain ones (no draft wait).
-        for bb in self.by_distance[b]:
-            ks = [kk for kk in self.timed_ks.get(bb, ()) if (kk > 0) == (k > 0) and (bb, kk) in self.step]
-            for kk in sorted(ks, key=lambda kk: (abs(kk - k), kk)):
-                whole = self.parts_seconds(bb, kk)
-                if whole:
-                    return parts * self.step[bb, kk] / whole
+        # The nearest timed step: the nearest bucket first, then the nearest k; speculative steps calibrate
+        # speculative estimates, plain steps plain ones (no draft wait). A timed step always has a verify
+        # (the scheduler times it first), so its parts are known.
+        nearest = min(
+            ((self.distance(bb, b), bb, abs(kk - k), kk) for bb, kk in self.step if (kk > 0) == (k > 0)),
+            default=None,
+        )
+        if nearest is not None:
+            _, bb, _, kk = nearest
+            whole = self.parts_seconds(bb, kk)
+            if whole:
+                return parts * self.step[bb, kk] / whole
         return parts
 
     def parts_seconds(self, batch: int, k: int) -> float | None:
