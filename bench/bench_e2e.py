@@ -410,6 +410,11 @@ def main() -> int:
                     "differ from plain (a near-tie, or a bug)")  # fmt: skip
     ap.add_argument("--modes", nargs="+", default=["plain", "fixed", "adaptive"],
                     choices=["plain", "fixed", "adaptive"])  # fmt: skip
+    ap.add_argument(
+        "--no-k0",
+        action="store_true",
+        help="skip the k=0 runs through the fixed target (a profile of fixed steps alone)",
+    )
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--placement", default="auto", choices=["auto", "colocated", "split"],
                     help="split: each service on its own GPUs; auto: split if enough")  # fmt: skip
@@ -456,13 +461,13 @@ def main() -> int:
                     run_batch(t, stack.draft, prompts[:batch], 8, 0 if base_mode(mode) == "plain" else args.k)
             for batch in args.batches:
                 runs: dict[str, list[dict]] = {m: [] for m in [*stack.targets, "k0_with_draft"]}
-                if "fixed" not in stack.targets:
+                if "fixed" not in stack.targets or args.no_k0:
                     runs.pop("k0_with_draft")
                 for _ in range(args.repeats):  # interleaved: plain, k=0 with draft, fixed, adaptive, ...
                     for mode, t in stack.targets.items():
                         k = 0 if base_mode(mode) == "plain" else args.k
                         runs[mode].append(run_batch(t, stack.draft, prompts[:batch], args.new_tokens, k))
-                        if mode == "fixed":
+                        if "k0_with_draft" in runs and mode == "fixed":
                             runs["k0_with_draft"].append(
                                 run_batch(t, stack.draft, prompts[:batch], args.new_tokens, 0)
                             )
