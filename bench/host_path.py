@@ -63,8 +63,10 @@ class SimulatedRunner:
     def run(self, *_args, **_kwargs) -> None:
         return None
 
-    def step(self, rows, width: int) -> StepResult:
+    def step(self, rows, width: int, on_launched=None) -> StepResult:
         self.widths.append(width)
+        if on_launched is not None:
+            on_launched()
         gpu = self.step_seconds + self.per_position * (width - 1)
         wait = 0.0
         if gpu or self.queue_seconds:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.metrics import ServiceMetrics
@@ -215,8 +216,11 @@ class DraftSession:
         """Draft ids asked for (or decided k = 0) since the last collect: the others still need an ask."""
         return self.decided
 
-    def collect(self, batch: list[Request]) -> dict[int, Proposal]:
-        """The proposals of every ask in flight, by draft id ({} where none was asked or it came too late)."""
+    def collect(
+        self, batch: list[Request], before_wait: Callable[[], None] | None = None
+    ) -> dict[int, Proposal]:
+        """The proposals of every ask in flight, by draft id ({} where none was asked or it came too late).
+        `before_wait` runs before the first wait for an answer (none when the branches cover the step)."""
         asks, self.inflight = self.inflight, []
         self.decided = set()
         self.last_wait = 0.0
@@ -227,7 +231,8 @@ class DraftSession:
             return out
         t0 = time.perf_counter()
         for ask in asks:
-            out.update(self._collect(ask, batch))
+            out.update(self._collect(ask, batch, before_wait))
+            before_wait = None
         self.last_wait = time.perf_counter() - t0
         return out
 
@@ -280,7 +285,8 @@ class DraftSession:
         verify = self.verify_seconds
         return (hits * tokens + missed) * (verify + wait) >= (hits + missed) * tokens * verify
 
-    def _collect(self, ask: Ask, batch: list[Request]) -> dict[int, Proposal]:
+    def _collect(self, ask: Ask, batch: list[Request], before_wait: Callable[[], None] | None = None
+                 ) -> dict[int, Proposal]:  # fmt: skip
         assert self.link is not None
         # A steady ask (verdicts of one step, no starts) may be covered by the branches already here.
         hits = self._from_candidates(ask, batch) if ask.steady and self.candidates else None
@@ -294,6 +300,8 @@ class DraftSession:
                 hits = self._from_candidates(ask, batch)
             return hits is not None
 
+        if before_wait is not None:
+            before_wait()
         response = self.link.receive(ask.step, ask.epoch, ask.sent + self.timeout, on_branches)
         if hits is not None:
             return hits

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,23 @@ class StepBuffers:
         self.ints, self.floats = self._split(self.buffer, off, batch)
         self.host_ints, self.host_floats = self._split(self.host_buffer, off, batch)
         self.scratch_slot = scratch_slot
+        # numpy views of the host mirror, and the all-padding content of its int fields: `load` copies
+        # the template and writes the real rows, with no array built per step (at B=1 the arrays built
+        # per step were most of the load's time).
+        self._host = self.host_ints.numpy()
+        self._fields = {name: self._host[o : o + n] for name, (o, n) in self.offsets.items()}
+        self._ids = self._fields["input_ids"].reshape(batch, width)
+        self._pos = self._fields["positions"].reshape(batch, width)
+        self._drafts = self._fields["draft_ids"].reshape(batch, width - 1)
+        self._temps = self.host_floats.numpy()
+        template = np.zeros(off, dtype=np.int64)
+        o, n = self.offsets["positions"]
+        template[o : o + n] = np.tile(np.arange(width, dtype=np.int64), batch)
+        o, n = self.offsets["slots"]
+        template[o : o + n] = scratch_slot
+        o, n = self.offsets["draft_ids"]
+        template[o : o + n] = -1
+        self._template = template
 
     @staticmethod
     def _split(buffer: torch.Tensor, num_ints: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,30 +143,20 @@ class StepBuffers:
              temperatures: list[float]) -> None:  # fmt: skip
         """Row b feeds tokens[b] = [t_n, d_1..d_k] at positions starts[b].. into slot slots_in[b]. Pads to
         the bucket: padding rows feed token 0 into the scratch slot and draft nothing."""
-        b, w = self.batch, self.width
-        ints = self.host_ints.numpy()
-        ids = np.zeros((b, w), dtype=np.int64)
-        pos = np.tile(np.arange(w, dtype=np.int64), (b, 1))
-        slots = np.full(b, self.scratch_slot, dtype=np.int64)
-        drafts = np.full((b, w - 1), -1, dtype=np.int64)
-        num_draft = np.zeros(b, dtype=np.int64)
-        seeds = np.zeros(b, dtype=np.int64)
-        commit = np.zeros(b, dtype=np.int64)
-        temps = np.zeros(b, dtype=np.float32)
-        n = len(tokens)
+        self._host[:] = self._template
+        self._temps[:] = 0.0
+        ids, drafts, num_draft = self._ids, self._drafts, self._fields["num_draft"]
         for i, row in enumerate(tokens):
             ids[i, : len(row)] = row
             drafts[i, : len(row) - 1] = row[1:]
             num_draft[i] = len(row) - 1
-        pos[:n] += np.asarray(starts, dtype=np.int64)[:, None]
-        slots[:n] = slots_in
-        seeds[:n] = seeds_in
-        commit[:n] = np.asarray(starts, dtype=np.int64) + 1
-        temps[:n] = temperatures
-        for name, arr in zip(INT_FIELDS, (ids, pos, slots, drafts, num_draft, seeds, commit)):
-            off, size = self.offsets[name]
-            ints[off : off + size] = arr.reshape(-1)
-        self.host_floats.numpy()[:] = temps
+        n = len(tokens)
+        first = np.asarray(starts, dtype=np.int64)
+        self._pos[:n] += first[:, None]
+        self._fields["slots"][:n] = slots_in
+        self._fields["seeds"][:n] = seeds_in
+        self._fields["commit_len"][:n] = first + 1
+        self._temps[:n] = temperatures
         if self.host_buffer is not self.buffer:
             self.buffer.copy_(self.host_buffer, non_blocking=True)
 
@@ -192,6 +200,10 @@ class TargetRunner:
             if self.device.type == "cuda"
             else None
         )
+        # The stream the steps run on, looked up once: `Event.record()` without one finds the current
+        # stream through torch.cuda.is_available() and an environment read, 13 % of the scheduler
+        # thread's GIL samples at B=1 in the H200 profile (docs/benchmarks.md, tenth session).
+        self.stream = torch.cuda.current_stream(self.device) if self.events is not None else None
         self.executor = TPExecutor(comm, {"prefill": self.prefill, "verify_step": self.verify_step})
         # Plain decoding (width 1) up to the default k: every width the scheduler produces by default.
         self.widths = list(range(1, config.num_speculative_tokens + 2))
@@ -297,7 +309,7 @@ class TargetRunner:
         buf.load(tokens, starts, slots, seeds, temperatures)
         if not self.use_graphs:
             if self.events is not None:
-                self.events[0].record()
+                self.events[0].record(self.stream)
             # Eager steps skip the in-step kernel when rank 0 will run the eager one anyway.
             logits, packed = self._forward(buf, ctx, with_verify=not eager_verify)
             return logits, packed, padded
@@ -309,15 +321,18 @@ class TargetRunner:
         graph, logits, packed, per_replay = self.graphs[key]
         if self.events is not None:
             # GPU time starts at the replay: host delays before it (packing, the GIL) are host time.
-            self.events[0].record()
+            self.events[0].record(self.stream)
         graph.replay()
         add_comm_stats(per_replay)
         return logits, packed, padded
 
     # -- rank 0 ------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, rows: list[StepRow], width: int) -> StepResult:
-        """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row."""
+    def step(
+        self, rows: list[StepRow], width: int, on_launched: Callable[[], None] | None = None
+    ) -> StepResult:
+        """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row. `on_launched`
+        runs once the step's GPU work is queued, before the host waits for it."""
         eager = any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)
         logits, packed, padded = self.executor.run(
             "verify_step",
@@ -331,11 +346,13 @@ class TargetRunner:
         )
         if eager or packed is None:
             packed = self._verify_eager(rows, logits, padded, width)
+        if on_launched is not None:
+            on_launched()
         n = len(rows)
         if self.out_host is not None:
             host = self.out_host[: padded * (width + 2)].view(padded, width + 2)
             host.copy_(packed, non_blocking=True)
-            self.events[1].record()
+            self.events[1].record(self.stream)
             t0 = time.perf_counter()
             self.events[1].synchronize()
             wait = time.perf_counter() - t0

@@ -242,6 +242,13 @@ class Scheduler:
         self.streamer = Streamer(
             metrics, self._delivered, config.stream_interval, config.stream_messages_per_step
         )
+        # A step's tokens wait here until the next step's forward is launched (or the scheduler waits for
+        # the draft's answer): the streamer thread and the event loop then take the GIL while the GPU
+        # works, not while the scheduler prepares the launch (every GIL-releasing call before it, a copy
+        # or an event, could cost it up to a switch interval). First tokens, finishing steps and an idle
+        # batch hand them over at once.
+        self.to_stream: list[tuple[Request, list[int]]] = []
+        self.to_stream_at = 0.0
         self.phase_seconds = dict.fromkeys(("plan", "propose", "verify", "commit"), 0.0)
         self.steps = 0
         # Labelled series exist from the start, so rate() sees their first increase.
@@ -293,6 +300,7 @@ class Scheduler:
         with self.lock:
             self.lock.notify()
         self.thread.join(timeout=30)
+        self._hand_over_tokens()
         self.streamer.stop()
 
     # -- the loop ----------------------------------------------------------------
@@ -306,8 +314,10 @@ class Scheduler:
                 self._admit()
                 if self.running:
                     self._step()
-                elif self.session.releases:  # nothing running: free the draft's state now
-                    self.session.ask([], 0, self.runner.max_context)
+                else:
+                    self._hand_over_tokens()
+                    if self.session.releases:  # nothing running: free the draft's state now
+                        self.session.ask([], 0, self.runner.max_context)
             except Exception:  # keep serving; fail the requests of this step loudly
                 log.exception("step failed; failing the running requests")
                 self.session.inflight, self.session.decided = [], set()
@@ -368,11 +378,11 @@ class Scheduler:
         if new:  # admitted since the last ask (or the first step): ask for them too, from their first step
             self._ask(batch, new)
         t1 = time.perf_counter()
-        proposals = self.session.collect(batch)  # propose
+        proposals = self.session.collect(batch, self._hand_over_tokens)  # propose (tokens go while it waits)
         t2 = time.perf_counter()
         rows, drafts = self._rows(batch, proposals)
         width = max(len(d) for d in drafts) + 1
-        result = self.runner.step(rows, width)  # verify
+        result = self.runner.step(rows, width, self._hand_over_tokens)  # verify
         add_pending_logprobs(batch, result.logits, width, result.tokens)
         t3 = time.perf_counter()
         drafted_rows, accepted = self._commit(batch, drafts, result.tokens, result.accepted)
@@ -459,7 +469,12 @@ class Scheduler:
         t0 = time.perf_counter()
         self._ask([r for r in batch if id(r) not in done and not r.cancelled])
         self.ask_seconds = time.perf_counter() - t0
-        self.streamer.tokens([(req, new) for req, new in zip(batch, new_tokens) if new], time.perf_counter())
+        items = [(req, new) for req, new in zip(batch, new_tokens) if new]
+        if items:
+            self.to_stream = items
+            self.to_stream_at = time.perf_counter()
+            if finished or any(len(req.output) == len(new) for req, new in items):
+                self._hand_over_tokens()
         if num_drafts:
             self.metrics.drafts.inc(num_drafts)
             self.metrics.draft_tokens.inc(num_drafted)
@@ -533,7 +548,14 @@ class Scheduler:
             steps=req.spec.steps,
         )
 
+    def _hand_over_tokens(self) -> None:
+        """The last step's tokens to the streamer (called once the next step's forward is launched)."""
+        if self.to_stream:
+            items, self.to_stream = self.to_stream, []
+            self.streamer.tokens(items, self.to_stream_at)
+
     def _finish(self, req: Request, reason: int, error: str = "") -> None:
+        self._hand_over_tokens()  # a request's tokens reach its stream before its end
         with self.lock:
             if req.status == Status.FINISHED:
                 return

@@ -1,7 +1,8 @@
 """--stream-interval: the target's streamer sends a request's tokens once that many are ready (its first
 token at once, its last with the final flush), through the real scheduler, streamer, StreamOut and event
 loop (bench/host_path.py's harness: a simulated step, greedy, no draft); the streamed output is the same.
---stream-messages-per-step: at most that many messages a step, the longest-waiting requests first."""
+--stream-messages-per-step: at most that many messages a step, the longest-waiting requests first. A
+step's tokens are handed to the streamer once the next step's forward is launched."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry
 
-from bench.host_path import run
+from bench.host_path import SimulatedDraft, SimulatedRunner, run
 from common.metrics import ServiceMetrics
 from common.tokenizer import Tokenizer
 from target_service.config import TargetConfig
@@ -92,3 +93,40 @@ def test_the_limit_serves_the_longest_waiting_first_and_never_holds_a_first_toke
 def test_stream_messages_per_step_flag_is_checked():
     with pytest.raises(ValueError, match="--stream-messages-per-step"):
         TargetConfig(model="m", stream_messages_per_step=-1).validate()
+
+
+def test_a_steps_tokens_reach_the_streamer_once_the_next_step_is_launched(monkeypatch):
+    # The streamer and event loop take the GIL while the GPU works, not while the scheduler prepares
+    # the launch. First tokens and the last step's (the request finishes) are handed over at once.
+    handed: list[int] = []  # tokens per hand-off to the streamer
+    real_tokens = Streamer.tokens
+
+    def tokens(self, items, now):
+        handed.append(sum(len(new) for _, new in items))
+        real_tokens(self, items, now)
+
+    monkeypatch.setattr(Streamer, "tokens", tokens)
+
+    seen: list[tuple[int, int]] = []  # hand-offs so far at each step's call, and once it launched
+
+    class Recording(SimulatedRunner):
+        def step(self, rows, width, on_launched=None):
+            before = len(handed)
+            result = super().step(rows, width, on_launched)
+            seen.append((before, len(handed)))
+            return result
+
+    batch, steps = 2, 6
+    out = run(batch, steps, None, 0, Recording())
+    assert all(len(o) == steps for o in out["outputs"])
+    # Step 1: nothing pending; its first tokens go at once. Steps 2..6: step n-1's tokens go at step n's
+    # launch, except step 1's (already gone).
+    assert seen == [(0, 0), (1, 1)] + [(n - 2, n - 1) for n in range(3, steps + 1)]
+    assert handed == [batch] * steps  # the last step's at once (its requests finish)
+    # Speculating against a draft that answers 2 ms after the ask: the scheduler waits for it before
+    # each launch, and hands the last step's tokens over before that wait.
+    seen.clear()
+    handed.clear()
+    out = run(batch, 3 * steps, None, 2, Recording(), SimulatedDraft(round_trip=0.002))
+    assert all(len(o) == 3 * steps for o in out["outputs"])
+    assert seen == [(n, n) for n in range(len(seen))] and len(handed) == len(seen) >= steps
