@@ -183,7 +183,7 @@ def test_shipped_drafts_own_prompts_name_no_held_out_subject() -> None:
     set) repeat no built-in or held-out prompt and name no held-out subject, so eval.json stays held out."""
     saved = json.loads((SHIPPED / "self_instruct.json").read_text())
     written = saved["prompts"]
-    assert saved["instructions"] == 2000 and saved["kept"] == len(written) == 4853, saved["kept"]
+    assert saved["instructions"] == 4000 and saved["kept"] == len(written) == 9414, saved["kept"]
     assert len({p.casefold() for p in written}) == len(written)
     known = {p.casefold() for p in builtin_prompts.training_prompts() + builtin_prompts.held_out_prompts()}
     assert not [p for p in written if p.casefold() in known]
