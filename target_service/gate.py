@@ -74,6 +74,7 @@ class ModeGate:
         self.window, self.settle = window, settle
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
+        self.step_seconds: dict[tuple[int, bool], float] = {}  # (bucket, on) -> mean step wall time
         self.rated_at: dict[tuple[int, bool], int] = {}  # (bucket, on) -> the window that last measured it
         self.ratio: dict[int, float] = {}  # bucket -> other / better mode's rate, from the nearest bucket
         self.state: dict[int, _Window] = {}
@@ -183,18 +184,58 @@ class ModeGate:
                 self.rated_at[key] = w.windows
                 self.state[bucket] = _Window(w.on, windows=w.windows + 1, every=w.every or self.explore_every)
             return
-        if w.steps < self.window and not self._clear_loss(w, self.rate.get((bucket, not w.on))):
+        if not self._window_done(bucket, w) and not self._clear_loss(w, self.rate.get((bucket, not w.on))):
             return
         mine, other = self.rate.get(key), self.rate.get((bucket, not w.on))
         was_best = not w.trying and mine is not None and other is not None and mine >= other
         self._record(bucket, w)
         self.state[bucket] = self._next_window(bucket, w, fell=was_best)
 
+    def _window_done(self, bucket: int, w: _Window) -> bool:
+        """A window lasts `window` steps, or, in the mode with the longer steps, as long as `window` steps
+        of the other mode (at least EARLY_STEPS counted): windows are balanced in time, not steps. A
+        16-step try of speculation at B=64 took 16 speculative steps of ~11 ms against 2.7 ms plain ones
+        (one H200): four plain windows' time at 0.8x, and the adaptive target ran 0.85x plain there."""
+        if w.steps >= self.window:
+            return True
+        other = self.step_seconds.get((bucket, not w.on))
+        return other is not None and w.steps - self.settle >= EARLY_STEPS and w.seconds >= self.window * other
+
+    def exploring(self, batch: int) -> bool:
+        """Whether the bucket's window runs a mode that is not (known to be) its better one: a try, or the
+        first windows of a mode once the other is measured. Another gate's rates taken meanwhile would be
+        of a mode this gate is about to leave. So one gate explores at a time: while the speculation gate
+        explores, branches stay at their best mode and the branch gate counts nothing; otherwise the
+        speculation gate skips speculative steps while the branch gate explores. One H200, B=1: the
+        branch gate's windows without branches (385 tok/s against 755 with them) fell in the speculation
+        gate's windows with speculation on, which then rated it 537 against 561 off and turned it off,
+        while fixed k = 4 ran 664 against plain's 555."""
+        bucket = self.costs.bucket(batch)
+        w = self.state.get(bucket)
+        if w is None:
+            return False
+        if w.trying:
+            return True
+        mine, other = self.rate.get((bucket, w.on)), self.rate.get((bucket, not w.on))
+        return other is not None and (mine is None or mine < other)
+
+    def best(self, batch: int, default: bool = True) -> bool:
+        """The bucket's better mode by its rates (the one measured, while the other is not; the current
+        mode while neither is), without moving its windows: what another gate's tries run beside."""
+        bucket = self.costs.bucket(batch)
+        on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
+        if on is None and off is None:
+            w = self.state.get(bucket)
+            return default if w is None else w.on
+        return off is None or (on is not None and on >= off)
+
     def _record(self, bucket: int, w: _Window) -> None:
         """The ended window's rate: replaces one measured windows ago, else smooths the last one's."""
         key, rate = (bucket, w.on), w.tokens / w.seconds
+        step = w.seconds / max(1, w.steps - self.settle)
         fresh = key not in self.rate or self.rated_at[key] < w.windows - 1
         self.rate[key] = rate if fresh else 0.5 * self.rate[key] + 0.5 * rate
+        self.step_seconds[key] = step if fresh else 0.5 * self.step_seconds[key] + 0.5 * step
         self.rated_at[key] = w.windows
         other = (bucket, not w.on)
         if other not in self.rate and bucket in self.ratio:

@@ -410,11 +410,18 @@ class Scheduler:
         if self.session.attached:
             k = self._safely("the speculation policy", self.policy.choose, 0, batch)
         if self.branch_gate is not None:
+            # One gate explores at a time (ModeGate.exploring): a try of speculation runs beside the
+            # branches' better mode, not beside a try of theirs.
             gate = self.branch_gate
-            self.session.want_branches = self._safely("the branch gate", gate.want, True, len(batch))
+            want = gate.best if self._speculation_exploring(len(batch)) else gate.want
+            self.session.want_branches = self._safely("the branch gate", want, True, len(batch))
         self.session.ask(batch if subset is None else subset, k, self.runner.max_context)
         if subset is None:
             self.metrics.step_k.observe(k)
+
+    def _speculation_exploring(self, batch: int) -> bool:
+        gate = self.policy.gate
+        return gate is not None and gate.exploring(batch)
 
     def _rows(self, batch: list[Request], proposals: dict[int, Proposal]):
         rows, drafts = [], []
@@ -494,12 +501,21 @@ class Scheduler:
             wall = t4 - t0 - self.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = self.ask_seconds
             self._learn_costs(len(batch), width, wall, t3 - t2)
-        self.policy.observe_step(len(batch), emitted, t4 - t0)
+        # One gate explores at a time (ModeGate.exploring): while the speculation gate explores, the
+        # branch gate counts nothing (branches run at their best mode); otherwise a speculative step of
+        # a branch gate's try does not count for the speculation gate.
+        speculation_exploring = self._speculation_exploring(len(batch))
+        branch_exploring = (
+            self.branch_gate is not None and width > 1 and self.branch_gate.exploring(len(batch))
+        )
+        if speculation_exploring or not branch_exploring:
+            self.policy.observe_step(len(batch), emitted, t4 - t0)
         # Branches only change steady speculative steps: not plain ones, not the first ones after plain
         # steps (no branches yet, whether asked for or not), not one that starts a request on the draft.
         self.spec_run = self.spec_run + 1 if width > 1 else 0
         if self.branch_gate is not None and self.spec_run > BRANCH_SETTLE and not started:
-            self.branch_gate.observe(len(batch), emitted, t4 - t0)
+            if not speculation_exploring:
+                self.branch_gate.observe(len(batch), emitted, t4 - t0)
         self.metrics.verify_step.observe(t3 - t2)
         if result.gpu_seconds:
             # Host time: the step's wall time with the thread blocked on neither the draft nor the GPU.

@@ -178,3 +178,58 @@ def test_a_failing_policy_or_gate_costs_speculation_not_requests(monkeypatch, ca
     assert any(w > 1 for w in runner.widths) and calls["choose"] >= 3 and calls["observe"] >= 4  # both failed
     assert "the speculation policy failed" in caplog.text
     assert "failing the running requests" not in caplog.text
+
+
+def test_one_gate_explores_at_a_time():
+    """The speculation gate does not count speculative steps of a branch gate's try (one H200, B=1: the
+    windows without branches, 385 tok/s against 755, fell in the speculation gate's windows with
+    speculation on, which then rated it below plain and turned it off, while fixed k = 4 ran 1.2x plain);
+    while the speculation gate explores, branches run at their best mode and their gate counts nothing."""
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics import ServiceMetrics
+    from target_service.config import TargetConfig
+    from target_service.detok import StreamDetokenizer
+    from target_service.gate import _Window
+    from target_service.request import Request
+    from target_service.runner import StepResult
+    from target_service.scheduler import BRANCH_SETTLE, Scheduler
+
+    metrics = ServiceMetrics("target", "gates", registry=CollectorRegistry())
+    config = TargetConfig(model="none", max_batch_size=1, speculation_policy="adaptive")
+    sched = Scheduler(SimulatedRunner(), config, metrics, SimulatedDraft(), frozenset())
+    spec, branches = sched.policy.gate, sched.branch_gate
+    marks = (0.0, 0.0, 0.0, 0.0, 1e-3)
+
+    def set_gate(gate, on: float, off: float, window_on: bool, trying: bool) -> None:
+        gate.rate[1, True], gate.rate[1, False] = on, off
+        gate.rated_at[1, True] = gate.rated_at[1, False] = 0
+        gate.state[1] = _Window(window_on, windows=1, trying=trying)
+
+    def step(width: int) -> tuple[int, int]:
+        """Steps each gate counted for one step of `width`."""
+        before = spec.state[1].steps, branches.state[1].steps
+        sched.policy.gated = True  # the step is one of the speculation gate's (choose sets it)
+        sched.spec_run = BRANCH_SETTLE + 1  # a steady speculative step, as the branch gate counts them
+        sched._account([object()], width, StepResult([[1]], [0], 0.0), False, *marks)
+        return spec.state[1].steps - before[0], branches.state[1].steps - before[1]
+
+    # Speculation on (its best); the branch gate tries off, its worse mode.
+    set_gate(spec, 650.0, 550.0, window_on=True, trying=False)
+    set_gate(branches, 750.0, 390.0, window_on=False, trying=True)
+    assert step(5) == (0, 1)  # the branch gate's try: not a rate of speculation
+    set_gate(branches, 750.0, 390.0, window_on=True, trying=False)
+    assert step(5) == (1, 1)  # both at their best: both count
+    # The speculation gate tries off / on: the branch gate counts nothing, and branches run at their best
+    # mode even where their gate's window is a try of the other.
+    set_gate(spec, 650.0, 700.0, window_on=True, trying=True)
+    set_gate(branches, 750.0, 390.0, window_on=False, trying=True)
+    assert step(5) == (1, 0)
+    req = Request("r", [1, 2], 8, 0.0, 0, 1.0, 0, 4, frozenset(), StreamDetokenizer(None))
+    sched.session.register(req)
+    req.tokens = list(req.prompt)
+    sched._ask([req])
+    assert sched.session.want_branches is True
+    set_gate(spec, 650.0, 550.0, window_on=True, trying=False)
+    sched._ask([req])
+    assert sched.session.want_branches is False  # the branch gate's own window again
