@@ -17,7 +17,7 @@ from common.tokenizer import Tokenizer
 from target_service.config import TargetConfig
 from target_service.detok import StreamDetokenizer
 from target_service.request import Request
-from target_service.scheduler import Streamer
+from target_service.streamer import Streamer
 
 
 @pytest.mark.parametrize("interval", [1, 4, 7])
