@@ -332,8 +332,12 @@ class TargetRunner:
         self, rows: list[StepRow], width: int, on_launched: Callable[[], None] | None = None
     ) -> StepResult:
         """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row. `on_launched`
-        runs once the step's GPU work is queued, before the host waits for it."""
+        runs once the step's GPU work is queued, before the host waits for it; without CUDA graphs (the
+        CPU) before the forward, which computes as it is called and lets other threads run meanwhile."""
         eager = any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)
+        before = on_launched is not None and not self.use_graphs
+        if before:
+            on_launched()
         logits, packed, padded = self.executor.run(
             "verify_step",
             tokens=[[r.last_token, *r.drafts] for r in rows],
@@ -346,7 +350,7 @@ class TargetRunner:
         )
         if eager or packed is None:
             packed = self._verify_eager(rows, logits, padded, width)
-        if on_launched is not None:
+        if on_launched is not None and not before:
             on_launched()
         n = len(rows)
         if self.out_host is not None:

@@ -58,7 +58,9 @@ def test_every_bucket_and_width_matches_plain_greedy(runner):
                 if b % 2 and len(drafts) < width - 1:
                     drafts = [*drafts, (truth[len(drafts)] + 1) % 256] if len(truth) > len(drafts) else drafts
                 rows.append(StepRow(t[-1], drafts, len(t) - 1, slots[b], 0.0, b))
-            result = runner.step(rows, width)
+            calls = []  # the scheduler's hand-over of the last step's tokens: once per step
+            result = runner.step(rows, width, lambda: calls.append(1))
+            assert calls == [1]
             for b, out in enumerate(result.tokens):
                 assert 1 <= len(out) <= len(rows[b].drafts) + 1
                 assert result.accepted[b] == len(out) - 1
