@@ -4,6 +4,7 @@ plain greedy decoding for every batch bucket, every width, with drafts right and
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -48,6 +49,7 @@ def test_every_bucket_and_width_matches_plain_greedy(runner):
         slots = list(range(batch))
         runner.prefill([p[:-1] for p in prompts], slots)
         step = 0
+        hand_overs: list[int] = []
         while min(len(t) - len(p) for t, p in zip(tokens, prompts)) < NEW:
             width = 1 + step % 4  # every width; drafts: the true continuation, then a wrong token
             rows = []
@@ -58,9 +60,8 @@ def test_every_bucket_and_width_matches_plain_greedy(runner):
                 if b % 2 and len(drafts) < width - 1:
                     drafts = [*drafts, (truth[len(drafts)] + 1) % 256] if len(truth) > len(drafts) else drafts
                 rows.append(StepRow(t[-1], drafts, len(t) - 1, slots[b], 0.0, b))
-            calls = []  # the scheduler's hand-over of the last step's tokens: once per step
-            result = runner.step(rows, width, lambda: calls.append(1))
-            assert calls == [1]
+            result = runner.step(rows, width, partial(hand_overs.append, step))
+            assert hand_overs == list(range(step + 1))  # the scheduler's hand-over: once per step
             for b, out in enumerate(result.tokens):
                 assert 1 <= len(out) <= len(rows[b].drafts) + 1
                 assert result.accepted[b] == len(out) - 1
