@@ -146,11 +146,17 @@ class StepBuffers:
         self._host[:] = self._template
         self._temps[:] = 0.0
         ids, drafts, num_draft = self._ids, self._drafts, self._fields["num_draft"]
-        for i, row in enumerate(tokens):
-            ids[i, : len(row)] = row
-            drafts[i, : len(row) - 1] = row[1:]
-            num_draft[i] = len(row) - 1
-        n = len(tokens)
+        n, m = len(tokens), len(tokens[0])
+        if n > 1 and all(len(row) == m for row in tokens):  # the common step: three array writes
+            rect = np.array(tokens, dtype=np.int64)
+            ids[:n, :m] = rect
+            drafts[:n, : m - 1] = rect[:, 1:]
+            num_draft[:n] = m - 1
+        else:  # one row, or rows of different lengths (a k = 0 request beside speculating ones)
+            for i, row in enumerate(tokens):
+                ids[i, : len(row)] = row
+                drafts[i, : len(row) - 1] = row[1:]
+                num_draft[i] = len(row) - 1
         first = np.asarray(starts, dtype=np.int64)
         self._pos[:n] += first[:, None]
         self._fields["slots"][:n] = slots_in

@@ -298,10 +298,11 @@ class Scheduler:
     def _commit(
         self, batch: list[Request], drafts: list[list[int]], tokens: list[list[int]], accepted: list[int]
     ) -> tuple[int, int]:
-        """Stop checks on token ids, the next ask to the draft (before any streaming), then streaming.
-        Returns (requests that verified drafts, drafts accepted)."""
+        """Stop checks on token ids, the next ask to the draft, then the new tokens wait for the next
+        step's launch (`_hand_over_tokens`). Returns (requests that verified drafts, drafts accepted)."""
         finished: list[tuple[Request, int]] = []
-        new_tokens: list[list[int]] = []
+        items: list[tuple[Request, list[int]]] = []  # (request, new tokens) of those that have any
+        first = False  # a request's first tokens: handed over at once (time to first token)
         # Counters summed over the batch, then one inc each: a labelled inc costs microseconds of GIL
         # per call, which at B=64 is a visible share of a ~2 ms step.
         num_drafts = num_drafted = num_accepted = 0
@@ -319,18 +320,19 @@ class Scheduler:
             req.tokens.extend(out)  # the KV must match what the draft is told
             req.output.extend(new)
             self.slots.lengths[req.slot] = len(req.tokens) - 1
-            new_tokens.append(new)
+            if new:
+                items.append((req, new))
+                first = first or len(req.output) == len(new)
             if finish != FINISH.FINISH_REASON_UNSPECIFIED:
                 finished.append((req, finish))
         done = {id(r) for r, _ in finished}
         t0 = time.perf_counter()
         self._ask([r for r in batch if id(r) not in done and not r.cancelled])
         self.ask_seconds = time.perf_counter() - t0
-        items = [(req, new) for req, new in zip(batch, new_tokens) if new]
         if items:
             self.to_stream = items
             self.to_stream_at = time.perf_counter()
-            if finished or any(len(req.output) == len(new) for req, new in items):
+            if finished or first:
                 self._hand_over_tokens()
         if num_drafts:
             self.metrics.drafts.inc(num_drafts)
@@ -351,9 +353,7 @@ class Scheduler:
             wall = t4 - t0 - self.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = self.ask_seconds
             self._learn_costs(len(batch), width, wall, t3 - t2)
-        # One gate explores at a time (ModeGate.exploring): while the speculation gate explores, the
-        # branch gate counts nothing (branches run at their best mode); otherwise a speculative step of
-        # a branch gate's try does not count for the speculation gate.
+        # One gate explores at a time (ModeGate.exploring).
         speculation_exploring = self._speculation_exploring(len(batch))
         branch_exploring = (
             self.branch_gate is not None and width > 1 and self.branch_gate.exploring(len(batch))

@@ -184,9 +184,9 @@ class StepCosts:
         )
         if nearest is not None:
             _, bb, _, kk = nearest
-            whole = self.parts_seconds(bb, kk)
-            if whole:
-                return parts * self.step[bb, kk] / whole
+            its_parts = self.parts_seconds(bb, kk)
+            if its_parts:
+                return parts * self.step[bb, kk] / its_parts
         return parts
 
     def parts_seconds(self, batch: int, k: int) -> float | None:

@@ -36,8 +36,11 @@ def expected(batch: int, width: int, tokens, starts, slots, seeds, temps) -> dic
 def test_load_writes_every_field_and_clears_the_previous_step(batch: int, width: int):
     buf = StepBuffers(batch, width, SCRATCH, torch.device("cpu"))
     rng = random.Random(batch * 10 + width)
-    for n in (batch, max(1, batch // 2), batch, 1):  # a full step, then fewer rows: no stale values
-        tokens = [[rng.randrange(1, 500) for _ in range(rng.randint(1, width))] for _ in range(n)]
+    # A full step, then fewer rows (no stale values); rows of different lengths, then all of one length
+    # (written as one array), then narrower than the buffer.
+    for n, same in ((batch, False), (max(1, batch // 2), True), (batch, True), (batch, False), (1, False)):
+        lengths = [rng.randint(1, width)] * n if same else [rng.randint(1, width) for _ in range(n)]
+        tokens = [[rng.randrange(1, 500) for _ in range(m)] for m in lengths]
         starts = [rng.randrange(0, 100) for _ in range(n)]
         slots = rng.sample(range(SCRATCH), n)
         seeds = [rng.randrange(1, 1 << 40) for _ in range(n)]
