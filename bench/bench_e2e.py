@@ -309,6 +309,8 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
         extra += ["--log-level", getattr(args, "target_log_level", "INFO")]
         extra += getattr(args, "target_args", "").split()
         extra += variant if name != mode else []
+        if getattr(args, "step_traces", False):
+            extra += ["--step-trace", str(logs / f"target-{name}-{dtype}-steps.jsonl")]
         targets[name] = start_service(
             "target_service",
             ["--model", str(target_dir), *common, "--tp-size", str(args.target_tp_size),
@@ -430,6 +432,9 @@ def main() -> int:
     ap.add_argument("--variant-modes", nargs="+", default=["plain"], choices=["plain", "fixed", "adaptive"])
     ap.add_argument("--target-log-level", default="INFO",
                     help="DEBUG: phase times, policy costs and gates every 64 steps")  # fmt: skip
+    ap.add_argument("--step-traces", action="store_true",
+                    help="each target writes a JSON line per step to LOGS/target-MODE-DTYPE-steps.jsonl "
+                         "(bench/step_trace_summary.py reads them)")  # fmt: skip
     ap.add_argument("--draft-markov-rank", type=int, default=0, help="draft Markov head rank")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)

@@ -138,6 +138,7 @@ def run(
     stream_interval: int = 1,
     drain: bool = False,
     stream_messages_per_step: int | None = None,
+    step_trace: str = "",
 ) -> dict:
     """`batch` requests of `steps` tokens through the serving loop; k > 0 attaches `draft` (default: one
     that answers at once). `drain`: request i of B wants steps * (i + 1) / B tokens, so the batch drains
@@ -145,7 +146,7 @@ def run(
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     config = TargetConfig(model="none", max_batch_size=batch, speculation_policy=policy,
-                          stream_interval=stream_interval)  # fmt: skip
+                          stream_interval=stream_interval, step_trace=step_trace)  # fmt: skip
     if stream_messages_per_step is not None:  # else the target's default
         config.stream_messages_per_step = stream_messages_per_step
     registry = CollectorRegistry()

@@ -46,6 +46,11 @@ class TargetConfig(ServiceConfig):
         "at most this many stream messages per step (0: no limit), the requests waiting longest first: "
         "token-by-token streams up to this many requests, chunks of about B / N tokens above",
     )
+    step_trace: str = flag(
+        "",
+        "append one JSON line per step to this file (target_service/step_trace.py: batch, width, k, "
+        "tokens, phase times; for finding where a serving loop's time goes); empty = off",
+    )
     draft_tls_ca: str = flag("", "CA (PEM) to verify the draft service: turns on TLS to the draft")
     draft_tls_cert: str = flag("", "client certificate (PEM) for mTLS to the draft")
     draft_tls_key: str = flag("", "client key (PEM) for mTLS to the draft")

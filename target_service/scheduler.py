@@ -30,6 +30,7 @@ from target_service.policy import ADAPTIVE, SpeculationPolicy
 from target_service.request import FINISH, Request, Status, check_stop
 from target_service.runner import StepResult, StepRow, TargetRunner
 from target_service.step_costs import PLAIN_SETTLE, StepCosts
+from target_service.step_trace import StepTrace
 from target_service.streamer import Streamer
 
 __all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposal"]
@@ -101,6 +102,8 @@ class Scheduler:
         self.to_stream_at = 0.0
         self.phase_seconds = dict.fromkeys(("plan", "propose", "verify", "commit"), 0.0)
         self.steps = 0
+        self.asked_k = 0  # the k of the latest ask for the whole batch (the step trace)
+        self.trace = StepTrace(config.step_trace) if config.step_trace else None
         # Labelled series exist from the start, so rate() sees their first increase.
         for pos in range(config.max_speculative_tokens):
             metrics.accepted_at_position(pos)
@@ -152,6 +155,8 @@ class Scheduler:
         self.thread.join(timeout=30)
         self._hand_over_tokens()
         self.streamer.stop()
+        if self.trace is not None:
+            self.trace.close()
 
     # -- the loop ----------------------------------------------------------------
     def _loop(self) -> None:
@@ -166,6 +171,8 @@ class Scheduler:
                     self._step()
                 else:
                     self._hand_over_tokens()
+                    if self.trace is not None:
+                        self.trace.flush()
                     if self.session.releases:  # nothing running: free the draft's state now
                         self.session.ask([], 0, self.runner.max_context)
             except Exception:  # keep serving; fail the requests of this step loudly
@@ -268,6 +275,7 @@ class Scheduler:
         self.session.ask(batch if subset is None else subset, k, self.runner.max_context)
         if subset is None:
             self.metrics.step_k.observe(k)
+            self.asked_k = k
 
     def _speculation_exploring(self, batch: int) -> bool:
         gate = self.policy.gate
@@ -377,6 +385,9 @@ class Scheduler:
             self.metrics.step_host.observe(max(0.0, (t4 - t0) - (t2 - t1) - result.wait_seconds))
             self.metrics.step_gpu_queue.observe(max(0.0, result.wait_seconds - result.gpu_seconds))
         self.steps += 1
+        if self.trace is not None:
+            gate = self.policy.gate.mode(len(batch)) if self.policy.gate is not None else None
+            self.trace.step(len(batch), width, emitted, self.asked_k, gate, started, *marks)
         for phase, a, b in (("plan", t0, t1), ("propose", t1, t2), ("verify", t2, t3), ("commit", t3, t4)):
             self.phase_seconds[phase] += b - a
         if self.steps % LOG_EVERY == 0 and log.isEnabledFor(logging.DEBUG):

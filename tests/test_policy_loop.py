@@ -233,3 +233,23 @@ def test_one_gate_explores_at_a_time():
     set_gate(spec, 650.0, 550.0, window_on=True, trying=False)
     sched._ask([req])
     assert sched.session.want_branches is False  # the branch gate's own window again
+
+
+def test_step_trace_has_a_line_per_step(tmp_path):
+    """--step-trace: one JSON line per step of the real loop, its tokens those the clients received."""
+    import itertools
+    import json
+
+    path = tmp_path / "steps.jsonl"
+    runner = SimulatedRunner(0.7, 1e-3, 0.0)
+    result = run(4, 40, None, 4, runner, SimulatedDraft(1e-3), policy="adaptive", step_trace=str(path))
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == len(runner.widths) > 0
+    assert [r["w"] for r in rows] == runner.widths
+    assert sum(r["tok"] for r in rows) >= result["tokens"] == 4 * 40
+    assert any(r["w"] > 1 and r["tok"] > r["B"] for r in rows)  # speculative steps that accepted drafts
+    assert all(1 <= r["B"] <= 4 and r["gate"] in (0, 1, None) for r in rows)
+    assert all(a["t"] < b["t"] for a, b in itertools.pairwise(rows))
+    assert rows[0]["new"] and all(
+        r[p] >= 0 for r in rows for p in ("gap", "plan", "propose", "verify", "commit")
+    )
