@@ -22,6 +22,12 @@ from target_service.step_costs import StepCosts
 # ~0.65x plain, and the gate's 16-step windows with it on cost adaptive 0.64-0.79x plain in 128-token
 # runs. Four steps of 0.7x against a rate measured over 14 are well outside step-to-step noise (~10 %).
 EARLY_STEPS, EARLY_LOSS = 4, 0.7
+# The mode held best stays so until its rate is this fraction below the other's (a try must beat it by as
+# much). Window rates at B=64 on one H200 ranged 17.5-23.8 k tok/s with speculation off while the two
+# modes' rates stood within 7 % of each other: every dip of one window below the other mode's rate
+# switched (and a switch is tried back after one window), so speculation ran a fifth of the windows
+# where it lost (adaptive 0.83-0.88x plain, mean k 0.76 of 4; docs/benchmarks.md, eleventh session).
+HYSTERESIS = 0.05
 WINDOW = 16  # steps per window (a mode's first window in a bucket is a half-window warm-up)
 
 
@@ -69,9 +75,14 @@ class ModeGate:
         settle: int = 2,
         explore_every: int = 16,
         max_explore_every: int = 64,
+        settle_on: int | None = None,
     ):
         self.costs = costs
         self.window, self.settle = window, settle
+        # Steps not counted at the start of a window with the mode on (default: `settle`). Speculation's
+        # gate counts them all: the first speculative step after plain ones carries the draft's catch-up
+        # on every token since (and no draft-ahead), a cost of speculating that a switch pays each time.
+        self.settle_on = settle if settle_on is None else settle_on
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
         self.step_seconds: dict[tuple[int, bool], float] = {}  # (bucket, on) -> mean step wall time
@@ -126,10 +137,13 @@ class ModeGate:
         # The first try comes after a quarter of the usual wait: the estimate is not a measurement here.
         return _Window(on >= off, every=max(1, self.explore_every // 4))
 
+    def _settle(self, w: _Window) -> int:
+        return self.settle_on if w.on else self.settle
+
     def _clear_loss(self, w: _Window, other: float | None) -> bool:
         """Whether a window may end early: after EARLY_STEPS counted steps its rate is below EARLY_LOSS
         of the other mode's (a try of a clear loser then costs 6 steps, not 16)."""
-        counted = w.steps - self.settle
+        counted = w.steps - self._settle(w)
         return other is not None and counted >= EARLY_STEPS and w.tokens < EARLY_LOSS * other * w.seconds
 
     def want(self, batch: int, default: bool = True) -> bool:
@@ -155,7 +169,7 @@ class ModeGate:
             return
         bucket = self.costs.bucket(batch)
         w = self.state[bucket]
-        if w.steps < self.settle + EARLY_STEPS:
+        if w.steps < self._settle(w) + EARLY_STEPS:
             return
         mine, other = (on, off) if w.on else (off, on)
         if mine >= EARLY_LOSS * other:
@@ -173,7 +187,7 @@ class ModeGate:
         bucket = self.costs.bucket(batch)
         w = self._window(bucket, True)
         w.steps += 1
-        if w.steps > self.settle:
+        if w.steps > self._settle(w):
             w.tokens += tokens
             w.seconds += seconds
         if w.seconds <= 0:
@@ -187,9 +201,12 @@ class ModeGate:
         if not self._window_done(bucket, w) and not self._clear_loss(w, self.rate.get((bucket, not w.on))):
             return
         mine, other = self.rate.get(key), self.rate.get((bucket, not w.on))
-        was_best = not w.trying and mine is not None and other is not None and mine >= other
+        compared = mine is not None and other is not None  # both rated before: the margin applies
+        was_best = not w.trying and compared and mine >= other
         self._record(bucket, w)
-        self.state[bucket] = self._next_window(bucket, w, fell=was_best)
+        self.state[bucket] = self._next_window(
+            bucket, w, fell=was_best, margin=HYSTERESIS if compared else 0.0
+        )
 
     def _window_done(self, bucket: int, w: _Window) -> bool:
         """A window lasts `window` steps, or, in the mode with the longer steps, as long as `window` steps
@@ -199,7 +216,8 @@ class ModeGate:
         if w.steps >= self.window:
             return True
         other = self.step_seconds.get((bucket, not w.on))
-        return other is not None and w.steps - self.settle >= EARLY_STEPS and w.seconds >= self.window * other
+        counted = w.steps - self._settle(w)
+        return other is not None and counted >= EARLY_STEPS and w.seconds >= self.window * other
 
     def exploring(self, batch: int) -> bool:
         """Whether the bucket's window runs a mode that is not (known to be) its better one: a try, or the
@@ -217,22 +235,26 @@ class ModeGate:
         if w.trying:
             return True
         mine, other = self.rate.get((bucket, w.on)), self.rate.get((bucket, not w.on))
-        return other is not None and (mine is None or mine < other)
+        return other is not None and (mine is None or mine < (1.0 - HYSTERESIS) * other)
 
     def best(self, batch: int, default: bool = True) -> bool:
         """The bucket's better mode by its rates (the one measured, while the other is not; the current
         mode while neither is), without moving its windows: what another gate's tries run beside."""
         bucket = self.costs.bucket(batch)
         on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
+        w = self.state.get(bucket)
         if on is None and off is None:
-            w = self.state.get(bucket)
             return default if w is None else w.on
-        return off is None or (on is not None and on >= off)
+        if on is None or off is None or w is None:
+            return off is None or (on is not None and on >= off)
+        held = w.on != w.trying  # it stays the better one within HYSTERESIS, as in _next_window
+        held_rate, other_rate = (on, off) if held else (off, on)
+        return held if held_rate >= (1.0 - HYSTERESIS) * other_rate else not held
 
     def _record(self, bucket: int, w: _Window) -> None:
         """The ended window's rate: replaces one measured windows ago, else smooths the last one's."""
         key, rate = (bucket, w.on), w.tokens / w.seconds
-        step = w.seconds / max(1, w.steps - self.settle)
+        step = w.seconds / max(1, w.steps - self._settle(w))
         fresh = key not in self.rate or self.rated_at[key] < w.windows - 1
         self.rate[key] = rate if fresh else 0.5 * self.rate[key] + 0.5 * rate
         self.step_seconds[key] = step if fresh else 0.5 * self.step_seconds[key] + 0.5 * step
@@ -245,15 +267,18 @@ class ModeGate:
         """A rate not measured here (rated_at -1): `describe` marks it, a try's measurement replaces it."""
         self.rate[key], self.rated_at[key] = rate, -1
 
-    def _next_window(self, bucket: int, w: _Window, fell: bool = False) -> _Window:
+    def _next_window(self, bucket: int, w: _Window, fell: bool = False, margin: float = 0.0) -> _Window:
         """The window after `w`: the other mode if it is still unmeasured, else the better one, or a try
         of the worse one once `every` windows have passed (doubling after each try it loses). `fell`: `w`
-        ran the better mode (no try) and its rate fell below the other's."""
+        ran the better mode (no try) and its rate fell below the other's. `margin`: the mode held best
+        during `w` stays best unless its rate is below (1 - margin) of the other's (HYSTERESIS)."""
         every = w.every or self.explore_every
         on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
         if on is None or off is None:
             return _Window(on is None, windows=w.windows + 1, every=every)
-        best = on >= off
+        held = w.on != w.trying
+        held_rate, other_rate = (on, off) if held else (off, on)
+        best = held if held_rate >= (1.0 - margin) * other_rate else not held
         if best != w.on and fell:  # the mode in use fell below the other's last rate: switch, and try
             # it again after one window (then 2, 4, ...), for one slow window can do that. One H200, B=1:
             # branches ran 650 tok/s on, 446 off, until one window at ~270 (smoothed to 460) switched them
