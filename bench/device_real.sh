@@ -72,7 +72,7 @@ runs = {}
 for f in pathlib.Path(sys.argv[1], "run").glob("*/eval.json"):
     head = json.loads(f.read_text())["drafts"].get("trained_markov")
     if head: runs[f.parent.name] = head["k4"]["alpha"]
-print(max(runs, key=runs.get) if runs else "S4m32lr4")' "$R"
+print(max(runs, key=runs.get) if runs else "S4m32lr4s10k")' "$R"
 }
 
 # Runs in the background from a private copy of the tree (the next call refreshes the working tree).

