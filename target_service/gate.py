@@ -28,6 +28,11 @@ EARLY_STEPS, EARLY_LOSS = 4, 0.7
 # switched (and a switch is tried back after one window), so speculation ran a fifth of the windows
 # where it lost (adaptive 0.83-0.88x plain, mean k 0.76 of 4; docs/benchmarks.md, eleventh session).
 HYSTERESIS = 0.05
+# The first `settle` steps of a window stay uncounted in both modes, though the first speculative step
+# after plain ones carries the draft's catch-up on every token since (5-19 ms at B=1, 9-28 ms at B=64 on
+# one H200, against 2-10 ms steady): counting it (tried in the eleventh session) charged a whole switch
+# to each 30-45 ms window, and at B=1 and 16 the gate then turned speculation off (0.99x and 0.94x plain)
+# where fixed k = 4 ran 1.25x and 1.22x. A switch is a one-off cost; the margin above keeps them rare.
 WINDOW = 16  # steps per window (a mode's first window in a bucket is a half-window warm-up)
 
 
@@ -75,14 +80,9 @@ class ModeGate:
         settle: int = 2,
         explore_every: int = 16,
         max_explore_every: int = 64,
-        settle_on: int | None = None,
     ):
         self.costs = costs
         self.window, self.settle = window, settle
-        # Steps not counted at the start of a window with the mode on (default: `settle`). Speculation's
-        # gate counts them all: the first speculative step after plain ones carries the draft's catch-up
-        # on every token since (and no draft-ahead), a cost of speculating that a switch pays each time.
-        self.settle_on = settle if settle_on is None else settle_on
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
         self.step_seconds: dict[tuple[int, bool], float] = {}  # (bucket, on) -> mean step wall time
@@ -137,13 +137,10 @@ class ModeGate:
         # The first try comes after a quarter of the usual wait: the estimate is not a measurement here.
         return _Window(on >= off, every=max(1, self.explore_every // 4))
 
-    def _settle(self, w: _Window) -> int:
-        return self.settle_on if w.on else self.settle
-
     def _clear_loss(self, w: _Window, other: float | None) -> bool:
         """Whether a window may end early: after EARLY_STEPS counted steps its rate is below EARLY_LOSS
         of the other mode's (a try of a clear loser then costs 6 steps, not 16)."""
-        counted = w.steps - self._settle(w)
+        counted = w.steps - self.settle
         return other is not None and counted >= EARLY_STEPS and w.tokens < EARLY_LOSS * other * w.seconds
 
     def want(self, batch: int, default: bool = True) -> bool:
@@ -169,7 +166,7 @@ class ModeGate:
             return
         bucket = self.costs.bucket(batch)
         w = self.state[bucket]
-        if w.steps < self._settle(w) + EARLY_STEPS:
+        if w.steps < self.settle + EARLY_STEPS:
             return
         mine, other = (on, off) if w.on else (off, on)
         if mine >= EARLY_LOSS * other:
@@ -187,7 +184,7 @@ class ModeGate:
         bucket = self.costs.bucket(batch)
         w = self._window(bucket, True)
         w.steps += 1
-        if w.steps > self._settle(w):
+        if w.steps > self.settle:
             w.tokens += tokens
             w.seconds += seconds
         if w.seconds <= 0:
@@ -216,7 +213,7 @@ class ModeGate:
         if w.steps >= self.window:
             return True
         other = self.step_seconds.get((bucket, not w.on))
-        counted = w.steps - self._settle(w)
+        counted = w.steps - self.settle
         return other is not None and counted >= EARLY_STEPS and w.seconds >= self.window * other
 
     def exploring(self, batch: int) -> bool:
@@ -254,7 +251,7 @@ class ModeGate:
     def _record(self, bucket: int, w: _Window) -> None:
         """The ended window's rate: replaces one measured windows ago, else smooths the last one's."""
         key, rate = (bucket, w.on), w.tokens / w.seconds
-        step = w.seconds / max(1, w.steps - self._settle(w))
+        step = w.seconds / max(1, w.steps - self.settle)
         fresh = key not in self.rate or self.rated_at[key] < w.windows - 1
         self.rate[key] = rate if fresh else 0.5 * self.rate[key] + 0.5 * rate
         self.step_seconds[key] = step if fresh else 0.5 * self.step_seconds[key] + 0.5 * step

@@ -58,9 +58,7 @@ class SpeculationPolicy:
         self.first_prior = prior_alpha
         self.service = SpecStats()
         # Speculation on or off per batch bucket, by measured throughput (None: the model decides).
-        # Its windows with speculation on count from their first step (ModeGate.settle_on): the draft's
-        # catch-up after plain steps is a cost of switching speculation on.
-        self.gate = ModeGate(costs, settle_on=0) if gate and mode == ADAPTIVE else None
+        self.gate = ModeGate(costs) if gate and mode == ADAPTIVE else None
         self.gated = False
         self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
 
