@@ -253,3 +253,29 @@ def test_step_trace_has_a_line_per_step(tmp_path):
     assert rows[0]["new"] and all(
         r[p] >= 0 for r in rows for p in ("gap", "plan", "propose", "verify", "commit")
     )
+
+
+def test_step_trace_summary_splits_a_batch_into_fill_full_and_tail(tmp_path):
+    """bench/step_trace_summary.py: runs are split at idle gaps; a run's steps before its batch first
+    reaches its largest size are fill, then full until it first drops, then tail; each part's time is its
+    steps' walls plus the gaps before them (not the gap before the run)."""
+    import json
+
+    from bench.step_trace_summary import runs_of, split
+
+    def row(b, w, tok, gap=0.1):
+        return dict(t=0.0, B=b, w=w, tok=tok, k=4, new=False, gate=None, gap=gap, plan=0.1, propose=0.2,
+                    verify=1.0, commit=0.2)  # fmt: skip
+
+    steps = [row(1, 5, 3, gap=500.0), row(4, 5, 9), row(4, 1, 4), row(4, 5, 12), row(2, 1, 2)]
+    steps += [row(4, 1, 4, gap=80.0)]  # the next run, after an idle gap
+    path = tmp_path / "steps.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in steps))
+    runs = runs_of(path, idle_ms=50.0)
+    assert [len(r) for r in runs] == [5, 1]
+    parts = split(runs[0])
+    assert parts["fill spec"] == dict(steps=1, tok=3, ms=1.5)  # the run's first gap is not its time
+    assert parts["full spec"] == dict(steps=2, tok=21, ms=2 * 1.6)
+    assert parts["full plain"] == dict(steps=1, tok=4, ms=1.6)
+    assert parts["tail plain"] == dict(steps=1, tok=2, ms=1.6)
+    assert parts["all"]["steps"] == 5 and parts["all"]["tok"] == 30
