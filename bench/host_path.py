@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import random
 import sys
@@ -127,6 +128,32 @@ def load_tokenizer():
         return None
 
 
+async def read_stream(out: StreamOut) -> tuple[list[int], int]:
+    """A stream's token ids, and how many of its messages carried any."""
+    ids, messages = [], 0
+    while (item := await out.get()) is not None:
+        if getattr(item, "token_ids", None):
+            ids += item.token_ids
+            messages += 1
+    return ids, messages
+
+
+def submit(sched: Scheduler, loop: asyncio.AbstractEventLoop, wants: list[int], k: int, tokenizer=None,
+           prefix: str = "r") -> list[concurrent.futures.Future]:  # fmt: skip
+    """One greedy request per entry of `wants` (its new tokens), streamed to `loop`: futures of
+    read_stream's (ids, messages), one per request."""
+    streams = []
+    for i, n in enumerate(wants):
+        out = StreamOut(loop, 1 << 20, lambda: None)
+        streams.append(asyncio.run_coroutine_threadsafe(read_stream(out), loop))
+        detok = StreamDetokenizer(tokenizer, [])
+        req = Request(request_id=f"{prefix}{i}", prompt=[1, 2, 3], max_new_tokens=n, temperature=0.0, top_k=0,
+                      top_p=1.0, seed=0, k=k, stop_ids=frozenset(), detok=detok)  # fmt: skip
+        req.out = out
+        sched.submit(req)
+    return streams
+
+
 def run(
     batch: int,
     steps: int,
@@ -154,34 +181,16 @@ def run(
     runner = runner or SimulatedRunner()
     link = (draft or SimulatedDraft()) if k else None
     sched = Scheduler(runner, config, metrics, link, frozenset())
-    received = [0, 0]  # tokens, messages that carried tokens
-    outputs: list[list[int]] = []
-
-    async def read(out: StreamOut, ids: list[int]) -> None:
-        while (item := await out.get()) is not None:
-            if getattr(item, "token_ids", None):
-                received[0] += len(item.token_ids)
-                received[1] += 1
-                ids += item.token_ids
-
-    consumers = []
     wants = [max(1, steps * (i + 1) // batch) if drain else steps for i in range(batch)]
-    for i in range(batch):
-        out = StreamOut(loop, 1 << 20, lambda: None)
-        outputs.append([])
-        consumers.append(asyncio.run_coroutine_threadsafe(read(out, outputs[-1]), loop))
-        detok = StreamDetokenizer(tokenizer, [])
-        req = Request(request_id=f"r{i}", prompt=[1, 2, 3], max_new_tokens=wants[i], temperature=0.0, top_k=0,
-                      top_p=1.0, seed=0, k=k, stop_ids=frozenset(), detok=detok)  # fmt: skip
-        req.out = out
-        sched.submit(req)
+    streams = submit(sched, loop, wants, k, tokenizer)
     t0 = time.perf_counter()
     sched.start()
-    for c in consumers:
-        c.result(timeout=600)
+    outputs = [f.result(timeout=600) for f in streams]
     wall = time.perf_counter() - t0
     sched.stop()
     loop.call_soon_threadsafe(loop.stop)
+    received = [sum(len(ids) for ids, _ in outputs), sum(n for _, n in outputs)]  # tokens, messages
+    outputs = [ids for ids, _ in outputs]
     wanted = sum(wants)
     if received[0] != wanted:  # a failed step ends its requests early: no throughput to report
         missing = wanted - received[0]

@@ -24,12 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client import CollectorRegistry
 
-from bench.host_path import SimulatedDraft, SimulatedRunner
-from common.aio_front import StreamOut
+from bench.host_path import SimulatedDraft, SimulatedRunner, submit
 from common.metrics import ServiceMetrics
 from target_service.config import TargetConfig
-from target_service.detok import StreamDetokenizer
-from target_service.request import Request
 from target_service.scheduler import Scheduler
 
 # batch -> ms, colocated H200, bf16 1.5B preset (docs/bench/colocated-h200-s10*.json, adaptive debug)
@@ -99,24 +96,9 @@ def serve(mode: str, batch: int, tokens: int, repeats: int, args, trace: str) ->
     k = 0 if mode == "plain" else 4
     rates = []
     for n in [8] + [tokens] * repeats:  # a warm-up, then the runs
-        futures = []
-        for i in range(batch):
-            out = StreamOut(loop, 1 << 20, lambda: None)
-
-            async def read(out=out):
-                got = 0
-                while (item := await out.get()) is not None:
-                    got += len(getattr(item, "token_ids", []) or [])
-                return got
-
-            futures.append(asyncio.run_coroutine_threadsafe(read(), loop))
-            req = Request(request_id=f"{n}-{len(rates)}-{i}", prompt=[1, 2, 3], max_new_tokens=n,
-                          temperature=0.0, top_k=0, top_p=1.0, seed=0, k=k, stop_ids=frozenset(),
-                          detok=StreamDetokenizer(None, []))  # fmt: skip
-            req.out = out
-            sched.submit(req)
+        streams = submit(sched, loop, [n] * batch, k, prefix=f"{n}-{len(rates)}-")
         t0 = time.perf_counter()
-        got = sum(f.result(timeout=900) for f in futures)
+        got = sum(len(f.result(timeout=900)[0]) for f in streams)
         if n == tokens:
             rates.append(got / (time.perf_counter() - t0) * scale)
         time.sleep(0.1)

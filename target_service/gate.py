@@ -26,7 +26,7 @@ EARLY_STEPS, EARLY_LOSS = 4, 0.7
 # much). Window rates at B=64 on one H200 ranged 17.5-23.8 k tok/s with speculation off while the two
 # modes' rates stood within 7 % of each other: every dip of one window below the other mode's rate
 # switched (and a switch is tried back after one window), so speculation ran a fifth of the windows
-# where it lost (adaptive 0.83-0.88x plain, mean k 0.76 of 4; docs/benchmarks.md, eleventh session).
+# where it lost (the tenth session's run: adaptive 0.83-0.88x plain, mean k 0.76 of 4; docs/benchmarks.md).
 HYSTERESIS = 0.05
 # The first `settle` steps of a window stay uncounted in both modes, though the first speculative step
 # after plain ones carries the draft's catch-up on every token since (5-19 ms at B=1, 9-28 ms at B=64 on
@@ -231,8 +231,9 @@ class ModeGate:
             return False
         if w.trying:
             return True
-        mine, other = self.rate.get((bucket, w.on)), self.rate.get((bucket, not w.on))
-        return other is not None and (mine is None or mine < (1.0 - HYSTERESIS) * other)
+        if (bucket, not w.on) not in self.rate:
+            return False
+        return (bucket, w.on) not in self.rate or self._held_best(bucket, w, HYSTERESIS) != w.on
 
     def best(self, batch: int, default: bool = True) -> bool:
         """The bucket's better mode by its rates (the one measured, while the other is not; the current
@@ -244,9 +245,14 @@ class ModeGate:
             return default if w is None else w.on
         if on is None or off is None or w is None:
             return off is None or (on is not None and on >= off)
-        held = w.on != w.trying  # it stays the better one within HYSTERESIS, as in _next_window
-        held_rate, other_rate = (on, off) if held else (off, on)
-        return held if held_rate >= (1.0 - HYSTERESIS) * other_rate else not held
+        return self._held_best(bucket, w, HYSTERESIS)
+
+    def _held_best(self, bucket: int, w: _Window, margin: float) -> bool:
+        """The better mode with both rated: the one held best during `w` (its mode, or the other during a
+        try) stays so unless its rate is below (1 - margin) of the other's (HYSTERESIS)."""
+        held = w.on != w.trying
+        held_rate, other_rate = self.rate[bucket, held], self.rate[bucket, not held]
+        return held if held_rate >= (1.0 - margin) * other_rate else not held
 
     def _record(self, bucket: int, w: _Window) -> None:
         """The ended window's rate: replaces one measured windows ago, else smooths the last one's."""
@@ -273,9 +279,7 @@ class ModeGate:
         on, off = self.rate.get((bucket, True)), self.rate.get((bucket, False))
         if on is None or off is None:
             return _Window(on is None, windows=w.windows + 1, every=every)
-        held = w.on != w.trying
-        held_rate, other_rate = (on, off) if held else (off, on)
-        best = held if held_rate >= (1.0 - margin) * other_rate else not held
+        best = self._held_best(bucket, w, margin)
         if best != w.on and fell:  # the mode in use fell below the other's last rate: switch, and try
             # it again after one window (then 2, 4, ...), for one slow window can do that. One H200, B=1:
             # branches ran 650 tok/s on, 446 off, until one window at ~270 (smoothed to 460) switched them
