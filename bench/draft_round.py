@@ -68,8 +68,8 @@ def main() -> int:
                 one()
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         gpu = sum(e.device_time for e in kernels if "Memcpy" not in e.name) / 20 / 1e6  # us -> s
-        row = {"batch": b, "k": args.k, "catch_up": n, "first_ms": first * 1e3, "round_ms": wall * 1e3, "kernel_ms": gpu * 1e3,
-               "ratio": wall / gpu}  # fmt: skip
+        row = {"batch": b, "k": args.k, "catch_up": n, "first_ms": first * 1e3, "round_ms": wall * 1e3,
+               "kernel_ms": gpu * 1e3, "ratio": wall / gpu}  # fmt: skip
         results.append(row)
         print(json.dumps(row), flush=True)
         if args.profile_table:
