@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from common.batch import pack
-from common.cuda_graphs import buckets, capture, warm_eager_shapes
+from common.cuda_graphs import StaticStep, buckets, capture, warm_eager_shapes
 from common.distributed import Comm, add_comm_stats
 from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
@@ -30,6 +30,15 @@ from common.tp_executor import TPExecutor
 from draft_service.config import DraftConfig
 
 log = logging.getLogger("specsplit.draft")
+
+# The widths a catch-up runs at from CUDA graphs (its tokens padded up to one; longer ones take several
+# replays of the widest). A catch-up is the first round after the target's plain steps (every token
+# since) or a new request's prompt. Eagerly it cost 2-20 ms on one H200 (bench/draft_round.py
+# --catch-up: host-bound launches, and 8-15 ms more the first time a shape came up), which the target
+# waits for whole each time its policy turns speculation back on.
+CATCH_UP_WIDTHS = (4, 16, 64)
+# Past this many tokens (a long prompt) one eager forward beats the replays.
+EAGER_CATCH_UP = 512
 
 
 @dataclass
@@ -188,8 +197,9 @@ class GreedyRounds:
     """A whole greedy draft round as one CUDA graph replay: the catch-up forward over each request's
     pending tokens (1 or 2 after a verdict), then k one-token positions, each fed the previous position's
     token on the device. One graph per (batch bucket, catch-up width, k, context bucket); the round
-    reads back one [B, k] tensor. Longer catch-ups (a new request, a long verdict) run their extra tokens
-    eagerly first. Without graphs (the CPU) the same round function runs eagerly.
+    reads back one [B, k] tensor. Longer catch-ups (a new request, plain steps of the target) run their
+    extra tokens first, from graphs of CATCH_UP_WIDTHS (`_catch_up`). Without graphs (the CPU) the same
+    functions run eagerly.
     """
 
     def __init__(self, runner: DraftRunner, max_batch: int, max_rows: int, use_graphs: bool):
@@ -203,6 +213,13 @@ class GreedyRounds:
         self.graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # Catch-ups are requests' own rows (never branch rows): batch buckets up to max_batch.
+        self.catch_up = StaticStep(self._catch_up_forward, max_batch, runner.max_len, self.scratch_slot,
+                                   self.device, self.use_graphs, copy_output=False)  # fmt: skip
+
+    def _catch_up_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: int):
+        """ids/pos [B, W], slots [B]: writes the KV of the tokens (the hidden states are not needed)."""
+        return self.runner.model(ids, pos, slots, self.runner.cache, ctx)
 
     def _static(self, batch: int, width: int) -> dict[str, torch.Tensor]:
         key = (batch, width)
@@ -255,13 +272,41 @@ class GreedyRounds:
         self.round(self._static(1, 1), 1, self.ctx_buckets[0])
         if not (self.use_graphs and capture_graphs):
             return 0
+        self.catch_up.warm_up(list(CATCH_UP_WIDTHS))
         for ctx in self.ctx_buckets:
             for batch in self.batch_buckets:
                 for width in widths:
                     for k in ks:
                         self.graphs[batch, width, k, ctx] = self._capture(batch, width, k, ctx)
         torch.cuda.synchronize(self.device)
-        return len(self.graphs)
+        return len(self.graphs) + len(self.catch_up.graphs)
+
+    def _catch_up(self, rows: list[list[int]], starts: list[int], slots: list[int]) -> None:
+        """Writes the KV of every row's pending tokens but the last (which the round feeds). Chunks of
+        the widest CATCH_UP_WIDTHS, the last one padded to the narrowest that holds the longest rest.
+        Padding continues a row's positions (clamped to the cache), so its KV lands past the row's
+        tokens, where nothing reads it before the row's own tokens overwrite it."""
+        r = self.runner
+        early = [(row[:-1], s, slot) for row, s, slot in zip(rows, starts, slots) if len(row) > 1]
+        if max(len(e[0]) for e in early) > EAGER_CATCH_UP:
+            batch = pack([e[0] for e in early], [e[1] for e in early], [e[2] for e in early], self.device,
+                         r.max_len)  # fmt: skip
+            with eager_shapes():
+                r.model(batch.input_ids, batch.positions, batch.slots, r.cache, batch.ctx_len)
+            return
+        last = r.max_len - 1
+        done = 0
+        while live := [(toks[done:], s + done, slot) for toks, s, slot in early if len(toks) > done]:
+            rest = max(len(toks) for toks, _, _ in live)
+            width = next((w for w in CATCH_UP_WIDTHS if w >= rest), CATCH_UP_WIDTHS[-1])
+            ids = [x for toks, _, _ in live for x in toks[:width] + [0] * (width - len(toks[:width]))]
+            pos = [min(s + j, last) for _, s, _ in live for j in range(width)]
+            n, m = len(live), len(live) * width
+            flat = torch.tensor(ids + pos + [slot for _, _, slot in live], dtype=torch.int64)
+            flat = flat.to(self.device, non_blocking=True)
+            ctx = min(r.max_len, max(s for _, s, _ in live) + width)
+            self.catch_up(flat[:m].view(n, width), flat[m : 2 * m].view(n, width), flat[2 * m :], ctx)
+            done += width
 
     @torch.inference_mode()
     def run(
@@ -280,11 +325,7 @@ class GreedyRounds:
         prefix_slots = list(prefix_slots) if prefix_slots else list(slots)
         prefix_len = list(prefix_len) if prefix_len else [0] * len(rows)
         if any(len(row) > self.widths[-1] for row in rows):  # long catch-ups: all but the last token
-            early = [(row[:-1], s, slot) for row, s, slot in zip(rows, starts, slots) if len(row) > 1]
-            batch = pack([e[0] for e in early], [e[1] for e in early], [e[2] for e in early], self.device,
-                         r.max_len)  # fmt: skip
-            with eager_shapes():
-                r.model(batch.input_ids, batch.positions, batch.slots, r.cache, batch.ctx_len)
+            self._catch_up(rows, starts, slots)
             starts = [s + len(row) - 1 for row, s in zip(rows, starts)]
             rows = [row[-1:] for row in rows]
         n = len(rows)
