@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.batch import pack
@@ -294,19 +295,32 @@ class GreedyRounds:
             with eager_shapes():
                 r.model(batch.input_ids, batch.positions, batch.slots, r.cache, batch.ctx_len)
             return
-        last = r.max_len - 1
-        done = 0
-        while live := [(toks[done:], s + done, slot) for toks, s, slot in early if len(toks) > done]:
-            rest = max(len(toks) for toks, _, _ in live)
-            width = next((w for w in CATCH_UP_WIDTHS if w >= rest), CATCH_UP_WIDTHS[-1])
-            ids = [x for toks, _, _ in live for x in toks[:width] + [0] * (width - len(toks[:width]))]
-            pos = [min(s + j, last) for _, s, _ in live for j in range(width)]
-            n, m = len(live), len(live) * width
-            flat = torch.tensor(ids + pos + [slot for _, _, slot in live], dtype=torch.int64)
-            flat = flat.to(self.device, non_blocking=True)
-            ctx = min(r.max_len, max(s for _, s, _ in live) + width)
-            self.catch_up(flat[:m].view(n, width), flat[m : 2 * m].view(n, width), flat[2 * m :], ctx)
+        # Every chunk's inputs in one host array and one copy: built per chunk from Python lists they
+        # cost more host time than the chunks' GPU time (B=64, 241 tokens: 13.8 ms for 7.0 ms of kernels).
+        lens = np.array([len(e[0]) for e in early])
+        first = np.array([e[1] for e in early])
+        slot_ids = np.array([e[2] for e in early])
+        widths, rest = [], int(lens.max())
+        while rest > 0:
+            widths.append(next((w for w in CATCH_UP_WIDTHS if w >= rest), CATCH_UP_WIDTHS[-1]))
+            rest -= widths[-1]
+        tokens = np.zeros((len(early), sum(widths)), dtype=np.int64)
+        for i, (toks, _, _) in enumerate(early):
+            tokens[i, : len(toks)] = toks
+        parts, chunks, done = [], [], 0
+        for width in widths:
+            live = np.nonzero(lens > done)[0]
+            positions = np.minimum(first[live, None] + done + np.arange(width), r.max_len - 1)
+            parts += [tokens[live, done : done + width].ravel(), positions.ravel(), slot_ids[live]]
+            chunks.append((len(live), width, min(r.max_len, int(first[live].max()) + done + width)))
             done += width
+        flat = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
+        at = 0
+        for n, width, ctx in chunks:
+            m = n * width
+            ids, pos = flat[at : at + m].view(n, width), flat[at + m : at + 2 * m].view(n, width)
+            self.catch_up(ids, pos, flat[at + 2 * m : at + 2 * m + n], ctx)
+            at += 2 * m + n
 
     @torch.inference_mode()
     def run(
