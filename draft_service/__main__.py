@@ -12,6 +12,7 @@ from common.service import model_label, open_front, serve_until_drained, service
 from common.settings import parse_config
 from common.tp_executor import launch_tp, torchrun_rank
 from draft_service.config import DraftConfig
+from draft_service.gpus import tp_gpu_uuids
 from draft_service.runner import DraftRunner, tp_worker
 from draft_service.server import DraftServicer
 from draft_service.state import DraftState
@@ -71,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         markov_head_mode=config.markov_head_mode if mc.markov_rank else "none",
     )
     state = DraftState(runner, SlotTable(config.max_batch_size))
+    gpus = tp_gpu_uuids(config.device, comm.world_size)  # a target on one of them gets no draft-ahead
     servicer = DraftServicer(
-        config, state, metrics, model_label(config), mc.vocab_size, comm.world_size, mc.markov_rank > 0
+        config, state, metrics, model_label(config), mc.vocab_size, comm.world_size, mc.markov_rank > 0, gpus
     )
     servicer.max_target_id = runner.max_target_id()
     front.start(servicer)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 
@@ -28,7 +28,9 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         vocab_size: int,
         tp_size: int,
         markov: bool,
+        gpus: Iterable[str] = (),
     ):
+        """`gpus`: the UUIDs of the GPUs of the draft's TP group (draft_service.gpus.tp_gpu_uuids)."""
         self.config = config
         self.state = state
         self.metrics = metrics
@@ -36,6 +38,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.vocab_size = vocab_size
         self.tp_size = tp_size
         self.markov = markov
+        self.gpus = frozenset(gpus)
         self.engine_lock = threading.Lock()  # one model, many target streams
         self.streams = 0
         self.max_target_id = -1
@@ -75,6 +78,22 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             draft_ahead_hit=p.ahead_hit,
         )
 
+    def _ahead_for_stream(self, target_gpus: Iterable[str]) -> bool:
+        """Whether to draft ahead for a stream whose target runs on `target_gpus`: not where one of them is
+        the draft's own (unless --draft-ahead-shared-gpu), since there the round overlaps nothing and only
+        delays the target's verify (one H200, B=1: verify 2.72 ms instead of 2.17, 1.24x plain, not 1.29x)."""
+        if not self.config.draft_ahead:
+            return False
+        shared = ", ".join(sorted(self.gpus.intersection(target_gpus)))
+        if not shared:
+            return True
+        if self.config.draft_ahead_shared_gpu:
+            log.info("target shares GPU %s with the draft: draft-ahead anyway (--draft-ahead-shared-gpu)",
+                     shared)  # fmt: skip
+            return True
+        log.info("target shares GPU %s with the draft: no draft-ahead for this stream", shared)
+        return False
+
     # -- RPCs ------------------------------------------------------------------
     def Speculate(
         self, request_iterator: Iterator[draft_pb2.SpeculateRequest], context: grpc.ServicerContext
@@ -86,6 +105,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.streams += 1
         log.info("target stream opened (%s), %d open", context.peer(), self.streams)
         last_step = -1
+        ahead = self.config.draft_ahead
         try:
             while True:
                 try:
@@ -98,6 +118,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 self.metrics.count_grpc_message("received", "speculate_request", msg.ByteSize())
                 if msg.step <= last_step:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step: {msg.step} not after {last_step}")
+                if last_step < 0:  # the stream's first message names the target's GPUs
+                    ahead = self._ahead_for_stream(msg.target_gpus)
                 last_step = msg.step
                 if msg.target_vocab_size and self.max_target_id >= msg.target_vocab_size:
                     context.abort(
@@ -116,7 +138,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
                 # and decodes the rest plainly meanwhile).
                 branching = self.state.branching and msg.want_branches
                 if (
-                    self.config.draft_ahead
+                    ahead
                     and proposed
                     and self.state.ahead_worthwhile(
                         self.config.draft_ahead_min_hit_rate, 1 if branching else len(proposed[0])

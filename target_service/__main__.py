@@ -17,6 +17,7 @@ from common.service import HealthPort, model_label, serve_until_drained, service
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
 from common.tp_executor import launch_tp, torchrun_rank
+from draft_service.gpus import tp_gpu_uuids
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
@@ -97,9 +98,12 @@ def main(argv: list[str] | None = None) -> int:
                 default_server_name(config.draft_address) if creds is not None else None
             )
 
+            # Sent to each draft: one on the same GPUs drafts nothing ahead (it would delay the verify).
+            target_gpus = tp_gpu_uuids(config.device, comm.world_size)
+
             def make_link(address: str, link_metrics: ServiceMetrics) -> DraftLink:
                 return DraftLink(address, link_metrics, mc.vocab_size, creds, token, server_name,
-                                 config.draft_backoff_max)  # fmt: skip
+                                 config.draft_backoff_max, target_gpus=target_gpus)  # fmt: skip
 
             link = DraftPool(config.draft_address, make_link, metrics)
         eos_ids = _eos_ids(mc.eos_token_id, tokenizer)

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -39,10 +39,15 @@ class DraftLink:
         token: str | None = None,
         server_name: str | None = None,
         backoff_max: float = 10.0,
+        *,
+        target_gpus: Sequence[str] = (),
     ):
+        """`target_gpus`: the UUIDs of the GPUs of the target's TP group (draft_service.gpus.tp_gpu_uuids),
+        sent with target_vocab_size on each stream's first message."""
         self.address = address
         self.metrics = metrics
         self.target_vocab_size = target_vocab_size
+        self.target_gpus = list(target_gpus)
         self.credentials = credentials
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.options = list(CHANNEL_OPTIONS)
@@ -145,6 +150,7 @@ class DraftLink:
             return False
         if self._first_message:
             msg.target_vocab_size = self.target_vocab_size
+            msg.target_gpus[:] = self.target_gpus
             self._first_message = False
         self.metrics.count_grpc_message("sent", "speculate_request", msg.ByteSize())
         send_q.put(msg)

@@ -99,6 +99,7 @@ class SpeculateRequest(_message.Message):
     TARGET_VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     PROPOSE_K_FIELD_NUMBER: _builtins.int
     WANT_BRANCHES_FIELD_NUMBER: _builtins.int
+    TARGET_GPUS_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Strictly increasing per stream; the answer carries the same number."""
     target_vocab_size: _builtins.int
@@ -125,6 +126,13 @@ class SpeculateRequest(_message.Message):
         missing = its own k). The target's speculation policy lowers it when speculation would not pay.
         """
 
+    @_builtins.property
+    def target_gpus(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Set on the first message of a stream, like target_vocab_size: the UUIDs of the GPUs the target's
+        TP group runs on (empty on CPU). A draft that runs on one of them drafts no rounds ahead for this
+        stream (unless --draft-ahead-shared-gpu): there they would only compete with the target's verify.
+        """
+
     def __init__(
         self,
         *,
@@ -136,10 +144,11 @@ class SpeculateRequest(_message.Message):
         target_vocab_size: _builtins.int = ...,
         propose_k: _abc.Iterable[_builtins.int] | None = ...,
         want_branches: _builtins.bool = ...,
+        target_gpus: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["propose", b"propose", "propose_k", b"propose_k", "releases", b"releases", "starts", b"starts", "step", b"step", "target_vocab_size", b"target_vocab_size", "verdicts", b"verdicts", "want_branches", b"want_branches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["propose", b"propose", "propose_k", b"propose_k", "releases", b"releases", "starts", b"starts", "step", b"step", "target_gpus", b"target_gpus", "target_vocab_size", b"target_vocab_size", "verdicts", b"verdicts", "want_branches", b"want_branches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
