@@ -50,6 +50,21 @@ def rank_device(device: str, rank: int) -> torch.device:
     return torch.device(device)
 
 
+def tp_gpu_uuids(device: str, tp_size: int) -> list[str]:
+    """UUIDs of the GPUs of this host's ranks of the TP group whose rank 0 is this process; [] on CPU.
+
+    Rank r runs on cuda:r of the visible devices (`rank_device`: the ranks the service spawns, or
+    torchrun's local ranks); ranks on other hosts (torchrun, LOCAL_WORLD_SIZE < tp_size) are left out. A
+    UUID names the physical GPU whatever CUDA_VISIBLE_DEVICES calls it, so two services' lists compare: a
+    target sends its own on each Speculate stream's first message, and a draft that finds one of its own
+    among them drafts no rounds ahead for that stream (on a shared GPU they only delay the verify)."""
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return []
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", tp_size))
+    count = min(tp_size, local, torch.cuda.device_count())
+    return [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
+
+
 # A step command travels as one fixed-size int64 message: a header and the packed inputs. Only inputs
 # past the capacity (a long prefill) need a second broadcast, and only values the codec cannot pack
 # (rare control calls) fall back to a pickled object.

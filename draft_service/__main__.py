@@ -10,9 +10,8 @@ from common.kv_cache import SlotTable
 from common.logs import setup_logging
 from common.service import model_label, open_front, serve_until_drained, service_metrics
 from common.settings import parse_config
-from common.tp_executor import launch_tp, torchrun_rank
+from common.tp_executor import launch_tp, torchrun_rank, tp_gpu_uuids
 from draft_service.config import DraftConfig
-from draft_service.gpus import tp_gpu_uuids
 from draft_service.runner import DraftRunner, tp_worker
 from draft_service.server import DraftServicer
 from draft_service.state import DraftState

@@ -30,7 +30,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         markov: bool,
         gpus: Iterable[str] = (),
     ):
-        """`gpus`: the UUIDs of the GPUs of the draft's TP group (draft_service.gpus.tp_gpu_uuids)."""
+        """`gpus`: the UUIDs of the GPUs of the draft's TP group (common.tp_executor.tp_gpu_uuids)."""
         self.config = config
         self.state = state
         self.metrics = metrics

@@ -16,8 +16,7 @@ from common.metrics import ServiceMetrics, start_metrics_server
 from common.service import HealthPort, model_label, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
-from common.tp_executor import launch_tp, torchrun_rank
-from draft_service.gpus import tp_gpu_uuids
+from common.tp_executor import launch_tp, torchrun_rank, tp_gpu_uuids
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink

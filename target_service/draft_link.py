@@ -42,7 +42,7 @@ class DraftLink:
         *,
         target_gpus: Sequence[str] = (),
     ):
-        """`target_gpus`: the UUIDs of the GPUs of the target's TP group (draft_service.gpus.tp_gpu_uuids),
+        """`target_gpus`: the UUIDs of the GPUs of the target's TP group (common.tp_executor.tp_gpu_uuids),
         sent with target_vocab_size on each stream's first message."""
         self.address = address
         self.metrics = metrics

@@ -22,8 +22,8 @@ from common.distributed import init_tp
 from common.kv_cache import SlotTable
 from common.metrics import ServiceMetrics
 from common.tiny import make_tiny_model
+from common.tp_executor import tp_gpu_uuids
 from draft_service.config import DraftConfig
-from draft_service.gpus import tp_gpu_uuids
 from draft_service.runner import DraftRunner
 from draft_service.server import DraftServicer
 from draft_service.state import DraftState
