@@ -43,3 +43,6 @@ if [ "${PROFILE:-0}" = 1 ]; then
   cat /tmp/pyspy-*.txt >> "$OUT/pyspy-$NAME.txt" 2>/dev/null || true
   python3 bench/pyspy_summary.py /tmp/pyspy-gil-*.txt /tmp/pyspy-all-*.txt > "$OUT/pyspy-summary-$NAME.txt" || true
 fi
+if [ -n "${BATCHES:-}" ]; then  # the draft's stream log: draft-ahead off for a target on its GPU
+  grep -h "shares GPU\|stream opened" /tmp/e2e-logs-$NAME/draft-*.log | head -n 6 | tee "$OUT/draft-streams-$NAME.txt" || true
+fi
