@@ -33,6 +33,16 @@ HYSTERESIS = 0.05
 # one H200, against 2-10 ms steady): counting it (tried in the eleventh session) charged a whole switch
 # to each 30-45 ms window, and at B=1 and 16 the gate then turned speculation off (0.99x and 0.94x plain)
 # where fixed k = 4 ran 1.25x and 1.22x. A switch is a one-off cost; the margin above keeps them rare.
+# Speculation's windows are rated at (1 - SPECULATION_HANDICAP) of their measure (the speculation gate's
+# `on_handicap`): it must win by that much to be chosen. Its costs fall partly outside its windows: the
+# draft's catch-up when it is turned back on, and the requests it puts out of step, which then finish
+# over a tail of steps at a falling batch size where plain decoding finishes them together. One H200,
+# B=64 (twelfth session): window rates 21.4-22.8 k tok/s on against 20.4-23.8 k off (a tie), so the
+# gate held speculation for 98 of 151 steps, and the tail (17 steps at 13.8 k tok/s) left adaptive at
+# 0.90x plain. At B=1-16 speculation's windows win by 16-40 %. In tests/test_policy.py's simulated
+# B=64 windows (noise sigma 0.08) a tie then runs speculation 4-19 % of the time (42-76 % without), one
+# that wins by 15 % 87-97 % (98-99 %), by 25 % 98-99 %.
+SPECULATION_HANDICAP = 0.08
 WINDOW = 16  # steps per window (a mode's first window in a bucket is a half-window warm-up)
 
 
@@ -57,7 +67,8 @@ class ModeGate:
     draft and the target both TP=2 on both, a branch round took 5.6 ms against a 2.7 ms plain step. So
     the target runs windows of `window` steps with the mode on or off, compares output tokens per second
     of each (the first `settle` steps of a window are not counted: a switch takes a step to show), keeps
-    the better and tries the other after `explore_every` windows. A bucket's first window is `default`.
+    the better (the mode on handicapped by `on_handicap`) and tries the other after `explore_every`
+    windows. A bucket's first window is `default`.
     Each try the other mode loses doubles the wait before the next (up to `max_explore_every` windows): a
     try costs a window in the worse mode, and a clear loser need not be re-checked every 16 windows. The
     mode in use is measured in every window, so a drop in its own rate switches at once (and the waits
@@ -80,8 +91,10 @@ class ModeGate:
         settle: int = 2,
         explore_every: int = 16,
         max_explore_every: int = 64,
+        on_handicap: float = 0.0,
     ):
         self.costs = costs
+        self.on_handicap = on_handicap  # the mode on is rated at (1 - on_handicap) of its measured rate
         self.window, self.settle = window, settle
         self.explore_every, self.max_explore_every = explore_every, max_explore_every
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, on) -> tokens per second, smoothed
@@ -255,8 +268,9 @@ class ModeGate:
         return held if held_rate >= (1.0 - margin) * other_rate else not held
 
     def _record(self, bucket: int, w: _Window) -> None:
-        """The ended window's rate: replaces one measured windows ago, else smooths the last one's."""
-        key, rate = (bucket, w.on), w.tokens / w.seconds
+        """The ended window's rate (the mode on's handicapped): replaces one measured windows ago, else
+        smooths the last one's."""
+        key, rate = (bucket, w.on), w.tokens / w.seconds * (1.0 - self.on_handicap if w.on else 1.0)
         step = w.seconds / max(1, w.steps - self.settle)
         fresh = key not in self.rate or self.rated_at[key] < w.windows - 1
         self.rate[key] = rate if fresh else 0.5 * self.rate[key] + 0.5 * rate

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from target_service.gate import ModeGate
+from target_service.gate import SPECULATION_HANDICAP, ModeGate
 from target_service.request import Request, SpecStats
 from target_service.step_costs import StepCosts
 
@@ -58,7 +58,7 @@ class SpeculationPolicy:
         self.first_prior = prior_alpha
         self.service = SpecStats()
         # Speculation on or off per batch bucket, by measured throughput (None: the model decides).
-        self.gate = ModeGate(costs) if gate and mode == ADAPTIVE else None
+        self.gate = ModeGate(costs, on_handicap=SPECULATION_HANDICAP) if gate and mode == ADAPTIVE else None
         self.gated = False
         self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
 
