@@ -50,7 +50,7 @@ WINDOW = 16  # steps per window (a mode's first window in a bucket is a half-win
 class _Window:
     on: bool
     steps: int = 0
-    tokens: int = 0
+    tokens: float = 0.0  # scaled to the bucket's whole batch (observe)
     seconds: float = 0.0
     windows: int = 0
     since: int = 0  # windows since the other mode was last tried
@@ -193,12 +193,17 @@ class ModeGate:
         self.state[bucket] = _Window(not w.on, windows=w.windows + 1, every=every)
 
     def observe(self, batch: int, tokens: int, seconds: float) -> None:
-        """One step's output tokens and wall time."""
+        """One step's output tokens and wall time. Rates are of the bucket's whole batch (tokens scaled
+        by bucket / batch): a batch draining within its bucket lowers both modes' tokens per step alike,
+        and unscaled, a mode then measured against the other's rate from a fuller batch looked worse.
+        One H200, B=64 (twelfth session): as requests finished, plain windows at B=38-47 fell below
+        speculation's rate from B=64 and switched it on for the last 8-15 steps of every run, and the
+        bucket was still on when the next run's 64 requests came."""
         bucket = self.costs.bucket(batch)
         w = self._window(bucket, True)
         w.steps += 1
         if w.steps > self.settle:
-            w.tokens += tokens
+            w.tokens += tokens * bucket / batch
             w.seconds += seconds
         if w.seconds <= 0:
             return

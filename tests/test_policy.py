@@ -591,3 +591,29 @@ def test_speculation_must_win_by_its_handicap():
     wins = [_near_tie_share_on(seed, 256, SPECULATION_HANDICAP)[0] for seed in range(5)]
     assert min(wins) > 0.85, wins
     assert SpeculationPolicy("adaptive", StepCosts(BUCKETS)).gate.on_handicap == SPECULATION_HANDICAP
+
+
+def _drain_switches_on(report_batch) -> bool:
+    """Whether speculation's gate turns speculation on as its better mode (not a scheduled try) while a
+    batch of 64 drains to 33 (one request fewer every 4 steps) with plain decoding the better mode
+    (speculative steps 0.81x its rate): both modes measured at B=64 first. `report_batch(b)` is the batch
+    size the gate is told."""
+    gate = ModeGate(StepCosts(BUCKETS), on_handicap=0.0)
+    for _ in range(16 * 12):  # both modes measured at B=64: off wins
+        on = gate.want(64)
+        gate.observe(64, 180 if on else 64, 9.4e-3 if on else 2.7e-3)
+    assert not gate.want(64) and gate.rate[64, False] > gate.rate[64, True]
+    for i in range(4 * 31):
+        b = 64 - i // 4
+        if gate.want(b) and not gate.state[64].trying:
+            return True
+        on = gate.want(b)  # a try's steps: speculation at its B=64 rate per request
+        gate.observe(report_batch(b), round(180 * b / 64) if on else b, 9.4e-3 if on else 2.7e-3)
+    return False
+
+
+def test_a_draining_batch_keeps_its_buckets_mode():
+    # Rates are of the bucket's whole batch (ModeGate.observe). One H200, B=64: unscaled, plain's rate
+    # at B=38-47 fell below speculation's from B=64 and turned it on for the last steps of every run.
+    assert not _drain_switches_on(lambda b: b)
+    assert _drain_switches_on(lambda b: 64)  # told the bucket's size: unscaled (the power of the check)
