@@ -22,7 +22,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from common.distributed import comm_stats
 from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
-from common.lifecycle import install_drain_handler
+from common.lifecycle import freeze_startup_heap, install_drain_handler
 from common.metrics import ServiceMetrics, start_metrics_server
 from common.settings import ServiceConfig
 
@@ -72,6 +72,7 @@ class Front:
 
     def start(self, servicer: object, detail: str = "") -> None:
         """The model is loaded: route RPCs to `servicer` and report SERVING."""
+        freeze_startup_heap()
         self.pending.attach(servicer)
         self.set_serving(True)
         log.info("ready: grpc port %d, metrics port %d%s", self.port, self.metrics_port, detail)

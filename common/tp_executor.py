@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from common.distributed import Comm, count_comm, init_tp
+from common.lifecycle import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,7 @@ class TPExecutor:
         return kind, handler, payload
 
     def serve_forever(self) -> None:
+        freeze_startup_heap()  # this rank's model is loaded: as rank 0 does when it starts serving
         while True:
             kind, handler, payload = self._receive()
             if kind == _KIND_SHUTDOWN:

@@ -10,6 +10,7 @@ finish: SERVING, ready 1, real answers. The hook delays; the service's own code 
 from __future__ import annotations
 
 import os
+import re
 import time
 import urllib.request
 
@@ -96,6 +97,9 @@ def test_health_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
             )
             assert info.model == "my-draft" and info.vocab_size > 0
             assert ready_gauge(draft.metrics_port) == {"my-draft": 1.0}
+            # Ready means the start-up heap is out of the garbage collector's reach (gc.freeze).
+            frozen = re.search(r"start-up heap frozen: (\d+) objects", draft.log_text())
+            assert frozen and int(frozen.group(1)) > 10_000, draft.log_text()[-2000:]
         # The plaintext health port speaks nothing but health.
         with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
             with pytest.raises(grpc.RpcError) as err:
