@@ -43,6 +43,12 @@ HYSTERESIS = 0.05
 # B=64 windows (noise sigma 0.08) a tie then runs speculation 4-19 % of the time (42-76 % without), one
 # that wins by 15 % 87-97 % (98-99 %), by 25 % 98-99 %.
 SPECULATION_HANDICAP = 0.08
+# A counted step's seconds are capped at STALL_CAP times its mode's mean step in the bucket: a single
+# stalled step is not the mode's rate. One H200, B=64 (twelfth session): the two plain windows that read
+# low (21.4 k and 19.5 k tok/s against 23-26 k) each held one step of 8.9-9.7 ms among ~2.6 ms ones; the
+# first switched speculation on for 32 steps (that repeat ran 0.85x plain). A mode whose steps all slow
+# down is followed within a window or two: the cap moves with its mean.
+STALL_CAP = 2.0
 WINDOW = 16  # steps per window (a mode's first window in a bucket is a half-window warm-up)
 
 
@@ -204,7 +210,7 @@ class ModeGate:
         w.steps += 1
         if w.steps > self.settle:
             w.tokens += tokens * bucket / batch
-            w.seconds += seconds
+            w.seconds += min(seconds, STALL_CAP * self.step_seconds.get((bucket, w.on), seconds))
         if w.seconds <= 0:
             return
         key = (bucket, w.on)

@@ -268,7 +268,7 @@ def test_gate_tries_a_losing_mode_less_often_and_follows_a_change_at_once():
     assert ons == [3, 5, 9, 17, 33, 65] and all(after[i] == (True, 6) for i in ons), ons
 
 
-def test_one_slow_window_of_the_better_mode_costs_one_window_of_the_other():
+def test_one_slow_window_of_the_better_mode_costs_one_window_of_the_other(monkeypatch):
     # One H200, B=1: branches on ran ~650 tok/s, off ~446; one window on at ~270 (smoothed with the one
     # before: 460) put them below off, and off then held for the rest of the run (its next try was 16
     # windows away). Now the mode that fell is tried again after one window, and stays.
@@ -277,14 +277,34 @@ def test_one_slow_window_of_the_better_mode_costs_one_window_of_the_other():
             return 270.0 if 16 * 40 <= step < 16 * 41 else 650.0
         return 446.0
 
-    windows = _gate_windows(rate, steps=16 * 80)
-    starts = [sum(n for _, n in windows[:i]) for i in range(len(windows))]
-    slow = next(i for i, s in enumerate(starts) if s + windows[i][1] > 16 * 40)
-    after = windows[slow:]
-    # The slow stretch (its second window ends early: below 0.7x off), then off for one window, then on
-    # for good (but for the usual tries of off, 16 windows apart).
+    def after_slow() -> list[tuple[bool, int]]:
+        windows = _gate_windows(rate, steps=16 * 80)
+        starts = [sum(n for _, n in windows[:i]) for i in range(len(windows))]
+        slow = next(i for i, s in enumerate(starts) if s + windows[i][1] > 16 * 40)
+        return windows[slow:]
+
+    # Its steps at 2.4x the mode's mean count at STALL_CAP (2x): the slow window reads 325 (smoothed: 487),
+    # still above off, and on holds (but for the usual tries of off, 16 windows apart).
+    after = after_slow()
+    assert after[:3] == [(True, 15), (True, 16), (True, 16)], after[:3]
+    assert _share_on(after) > 0.9
+    # Counted whole: the slow stretch (its second window ends early: below 0.7x off), then off for one
+    # window, then on for good.
+    monkeypatch.setattr(gate_module, "STALL_CAP", float("inf"))
+    after = after_slow()
     assert after[:4] == [(True, 11), (True, 6), (False, 16), (True, 16)], after[:4]
     assert _share_on(after[3:]) > 0.9
+
+
+def test_a_mode_that_stays_slow_is_left_despite_the_stall_cap():
+    # The cap moves with the mode's mean: on at 650 tok/s, then for good at 270 (off 446) is left after
+    # a few windows, and tried now and then.
+    windows = _gate_windows(lambda step, on: (270.0 if step >= 16 * 40 else 650.0) if on else 446.0, 16 * 80)
+    starts = [sum(n for _, n in windows[:i]) for i in range(len(windows))]
+    slow = next(i for i, s in enumerate(starts) if s + windows[i][1] > 16 * 40)
+    # The window it slows in reads 2x slower, the next (below 0.7x off) ends early, then off.
+    assert windows[slow : slow + 3] == [(True, 15), (True, 6), (False, 16)], windows[slow : slow + 5]
+    assert _share_on(windows[slow + 2 :]) < 0.1
 
 
 def test_a_slow_first_window_does_not_hold_a_mode_off():
@@ -539,11 +559,14 @@ def test_exploring_is_a_try_or_a_second_modes_first_windows_and_best_is_the_fast
     assert any(trying for _, trying, _, _ in seen)
 
 
-def _near_tie_share_on(seed: int, on_tokens: int = 210, handicap: float = 0.0) -> tuple[float, int]:
+def _near_tie_share_on(
+    seed: int, on_tokens: int = 210, handicap: float = 0.0, stall_every: int = 0
+) -> tuple[float, int]:
     """(share of time with speculation on, switches) at B=64 for speculation's gate when speculative steps
     run 0.94x plain's rate (210 tokens in 9.4 ms against 64 in 2.7 ms; `on_tokens` sets another) and every
     40 ms of GPU time the rates move together by a lognormal factor (sigma 0.08: one H200's B=64 plain
-    windows ranged 17.5-23.8 k tok/s), after the first eight windows."""
+    windows ranged 17.5-23.8 k tok/s), after the first eight windows; every `stall_every`-th step (0:
+    none) stalls 7 ms more (one H200, B=64: single 8.9-9.7 ms steps among 2.6 ms ones)."""
     gate, rng = ModeGate(StepCosts(BUCKETS), on_handicap=handicap), random.Random(seed)
     step = {True: (on_tokens, 9.4e-3), False: (64, 2.7e-3)}
     t, period, factor, time_on, time_all, switches, last = 0.0, -1, 1.0, 0.0, 0.0, 0, None
@@ -552,6 +575,8 @@ def _near_tie_share_on(seed: int, on_tokens: int = 210, handicap: float = 0.0) -
         if int(t / 0.04) != period:
             period, factor = int(t / 0.04), rng.lognormvariate(0.0, 0.08)
         tokens, seconds = step[on][0], step[on][1] * factor
+        if stall_every and i % stall_every == stall_every - 1:
+            seconds += 7e-3
         gate.observe(64, tokens, seconds)
         t += seconds
         if i >= 16 * 8:
@@ -617,3 +642,20 @@ def test_a_draining_batch_keeps_its_buckets_mode():
     # at B=38-47 fell below speculation's from B=64 and turned it on for the last steps of every run.
     assert not _drain_switches_on(lambda b: b)
     assert _drain_switches_on(lambda b: 64)  # told the bucket's size: unscaled (the power of the check)
+
+
+def test_a_stalled_step_does_not_switch_the_mode(monkeypatch):
+    # One step in 100 stalls 7 ms (one H200, B=64: single 8.9-9.7 ms steps among ~2.6 ms ones switched
+    # speculation on for 32 steps); speculation runs at 0.94x plain. Counted at most STALL_CAP times the
+    # mode's mean step, speculation ran 3-7 % of the time with 14-34 switches (seeds 0-4, handicapped as
+    # the speculation gate is); uncapped 6-19 %, 28-72 switches (the power of the check). Measured.
+    from target_service.gate import SPECULATION_HANDICAP
+
+    def runs():
+        return [_near_tie_share_on(seed, 210, SPECULATION_HANDICAP, stall_every=100) for seed in range(5)]
+
+    capped = runs()
+    assert max(s for s, _ in capped) < 0.1 and sum(n for _, n in capped) / 5 < 30, capped
+    monkeypatch.setattr(gate_module, "STALL_CAP", float("inf"))
+    uncapped = runs()
+    assert sum(s for s, _ in uncapped) / 5 > 0.1 and sum(n for _, n in uncapped) / 5 > 45, uncapped
