@@ -10,3 +10,20 @@ if [ ! -x /tmp/site/bin/py-spy ] && compgen -G ".whl/py_spy*.whl" >/dev/null; th
 fi
 # NVLink multicast stays off (the device README).
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+
+# py-spy of every target and draft process once bench_e2e (its output going to file $1) says the
+# services are ready: after $2 s, for $3 s at $4 Hz, the GIL holders (/tmp/pyspy-gil-PID.txt) and every
+# thread (/tmp/pyspy-all-PID.txt; $5: more flags, e.g. --idle), each process's command line in
+# /tmp/pyspy-cmd-PID.txt. Run it in the background beside the bench: `(pyspy_services F 15 15 250) &`.
+pyspy_services() {
+  until grep -q "services ready" "$1" 2>/dev/null; do sleep 1; done; sleep "$2"
+  for p in $(pgrep -f "m (target|draft)_service" || true); do
+    tr '\0' ' ' < "/proc/$p/cmdline" | grep -o -- "-m [a-z_]*service.*--speculation-policy [a-z]*\|-m [a-z_]*service" \
+      | head -1 > "/tmp/pyspy-cmd-$p.txt" || true
+    timeout 40 /tmp/site/bin/py-spy record -p "$p" -d "$3" -r "$4" --threads --gil -f raw \
+      -o "/tmp/pyspy-gil-$p.txt" >/dev/null 2>&1 &
+    timeout 40 /tmp/site/bin/py-spy record -p "$p" -d "$3" -r "$4" --threads ${5:-} -f raw \
+      -o "/tmp/pyspy-all-$p.txt" >/dev/null 2>&1 &
+  done
+  wait
+}

@@ -25,15 +25,7 @@ if [ -n "${BATCHES:-}" ]; then
   NAME=$NAME BATCHES="$BATCHES" bash bench/device_s11.sh
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
-  (until grep -q "services ready" /tmp/prof.txt 2>/dev/null; do sleep 1; done; sleep 12
-   for p in $(pgrep -f "m (target|draft)_service" || true); do
-     tr '\0' ' ' < "/proc/$p/cmdline" | grep -o -- "-m [a-z_]*service.*--speculation-policy [a-z]*\|-m [a-z_]*service" \
-       | head -1 > "/tmp/pyspy-cmd-$p.txt" || true
-     timeout 40 /tmp/site/bin/py-spy record -p "$p" -d 12 -r 500 --threads --gil -f raw \
-       -o "/tmp/pyspy-gil-$p.txt" >/dev/null 2>&1 &
-     timeout 40 /tmp/site/bin/py-spy record -p "$p" -d 12 -r 500 --threads --idle -f raw \
-       -o "/tmp/pyspy-all-$p.txt" >/dev/null 2>&1 &
-   done; wait) &
+  (pyspy_services /tmp/prof.txt 12 12 500 --idle) &
   python3 bench/bench_e2e.py --preset qwen1.5b --device cuda --dtypes bfloat16 --models /tmp/models \
     --placement colocated --modes plain fixed --batches 1 --repeats 3 --new-tokens 2048 --no-k0 \
     "--draft-args=${DRAFT_ARGS:-}" --logs /tmp/e2e-logs-prof --out "$OUT/e2e-prof-$NAME.json" \

@@ -13,15 +13,7 @@ trap 'tail -n 25 /tmp/e2e-logs*/*.log 2>/dev/null' ERR
 common=(--preset qwen1.5b --device cuda --dtypes bfloat16 --repeats 3 --new-tokens 128 --models /tmp/models)
 if [ "$PLACEMENT" = colocated ] && [ "${PROFILE:-1}" = 1 ]; then
   # GIL profile of every target and draft process during a long B=16 run (1024 new tokens, after the warm-up).
-  (until grep -q "services ready" /tmp/prof.txt 2>/dev/null; do sleep 1; done; sleep 15
-   for p in $(pgrep -f "m (target|draft)_service" || true); do
-     tr '\0' ' ' < "/proc/$p/cmdline" | grep -o -- "-m [a-z_]*service.*--speculation-policy [a-z]*\|-m [a-z_]*service" \
-       | head -1 > "/tmp/pyspy-cmd-$p.txt" || true
-     timeout 40 /tmp/site/bin/py-spy record -p "$p" -d 15 -r 250 --threads --gil -f raw \
-       -o "/tmp/pyspy-gil-$p.txt" >/dev/null 2>&1 &
-     timeout 40 /tmp/site/bin/py-spy record -p "$p" -d 15 -r 250 --threads -f raw \
-       -o "/tmp/pyspy-all-$p.txt" >/dev/null 2>&1 &
-   done; wait) &
+  (pyspy_services /tmp/prof.txt 15 15 250) &
   python3 bench/bench_e2e.py "${common[@]}" --batches 16 --repeats 3 --new-tokens 1024 --placement colocated \
     --logs /tmp/e2e-logs-prof --out "$OUT/e2e-prof.json" | tee /tmp/prof.txt | grep -v '^{' | tail -4
   wait
