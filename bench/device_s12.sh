@@ -21,8 +21,9 @@ if [ "${CATCH_UP:-1}" = 1 ]; then
     --catch-up 1 2 8 48 241 --profile-table --out "$OUT/catch-up-$NAME.json" > "$OUT/catch-up-$NAME.txt" 2>&1
   grep '^{' "$OUT/catch-up-$NAME.txt"
 fi
-if [ -n "${BATCHES:-}" ]; then
+if [ -n "${BATCHES:-}" ]; then  # then the draft's stream log: no draft-ahead for a target on its GPU
   NAME=$NAME BATCHES="$BATCHES" bash bench/device_s11.sh
+  grep -h "shares GPU\|stream opened" /tmp/e2e-logs-$NAME/draft-*.log | head -n 6 | tee "$OUT/draft-streams-$NAME.txt" || true
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
   (pyspy_services /tmp/prof.txt 12 12 500 --idle) &
@@ -34,7 +35,4 @@ if [ "${PROFILE:-0}" = 1 ]; then
   for f in /tmp/pyspy-cmd-*.txt; do echo "$f: $(cat "$f")"; done > "$OUT/pyspy-$NAME.txt"
   cat /tmp/pyspy-*.txt >> "$OUT/pyspy-$NAME.txt" 2>/dev/null || true
   python3 bench/pyspy_summary.py /tmp/pyspy-gil-*.txt /tmp/pyspy-all-*.txt > "$OUT/pyspy-summary-$NAME.txt" || true
-fi
-if [ -n "${BATCHES:-}" ]; then  # the draft's stream log: draft-ahead off for a target on its GPU
-  grep -h "shares GPU\|stream opened" /tmp/e2e-logs-$NAME/draft-*.log | head -n 6 | tee "$OUT/draft-streams-$NAME.txt" || true
 fi

@@ -32,21 +32,19 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def rounds(runner, slots: list[int], pending: list[int], monkeypatch, eager: bool):
-    """A prompt round, then a catch-up of pending[b] tokens per row; returns both rounds' drafts."""
-    if eager:
-        monkeypatch.setattr(runner_mod, "EAGER_CATCH_UP", 0)
+    """A prompt round, then a catch-up of pending[b] tokens per row; returns both rounds' drafts, the
+    positions written per row and the shapes of the chunks the catch-ups ran."""
     chunks = []
     real = runner.rounds.catch_up
-    runner.rounds.catch_up = lambda ids, *a: chunks.append(tuple(ids.shape)) or real(ids, *a)
-    try:
+    with monkeypatch.context() as m:  # undone on return, leaving the caller's own patches in place
+        if eager:
+            m.setattr(runner_mod, "EAGER_CATCH_UP", 0)
+        m.setattr(runner.rounds, "catch_up", lambda ids, *a: chunks.append(tuple(ids.shape)) or real(ids, *a))
         prompts = [tokens(b, 5 + b) for b in range(len(slots))]
         first, _ = runner.rounds.run(prompts, [0] * len(slots), slots, K)
         rows = [tokens(100 + b, n) for b, n in enumerate(pending)]
         starts = [len(p) for p in prompts]
         second, _ = runner.rounds.run(rows, starts, slots, K)
-    finally:
-        runner.rounds.catch_up = real
-        monkeypatch.undo()
     written = [s + len(r) for s, r in zip(starts, rows)]
     return first, second, written, chunks
 
