@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.grpc_util import SERVER_OPTIONS, add_port, allowed, denial, read_token
+from common.lifecycle import freeze_startup_heap
 from common.metrics import start_metrics_server
 from common.settings import ServiceConfig
 
@@ -176,6 +177,7 @@ class AioFront:
         self.call(set_all())
 
     def start(self, detail: str = "") -> None:
+        freeze_startup_heap()  # the model and its graphs are loaded: as common.service.Front.start does
         self.call(self.server.start())
         self.set_serving(True)
         log.info("ready: grpc port %d (asyncio), metrics port %d%s", self.port, self.metrics_port, detail)

@@ -135,6 +135,9 @@ def test_target_health_port_and_metrics_answer_while_the_model_loads(demo_models
             target.wait_ready()
             assert health(plain) == SERVING
         assert ready_gauge(target.metrics_port) == {"my-target": 1.0}
+        # The target's heap is frozen too (its front is the asyncio one, common/aio_front.py).
+        frozen = re.search(r"start-up heap frozen: (\d+) objects", target.log_text())
+        assert frozen and int(frozen.group(1)) > 10_000, target.log_text()[-2000:]
     finally:
         gate.touch()
         target.stop()
