@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2_grpc
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.distributed import comm_stats
 from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
@@ -90,9 +91,12 @@ def model_label(config: ServiceConfig) -> str:
     return config.served_model_name or Path(config.model.rstrip("/")).name
 
 
-def service_metrics(role: str, config: ServiceConfig, **info: object) -> ServiceMetrics:
-    """The service's metrics with the facts every service exports (KV capacity, TP size, device, dtype)."""
-    metrics = ServiceMetrics(role, model_label(config), comm_stats=comm_stats)
+def service_metrics(
+    role: str, config: ServiceConfig, registry: CollectorRegistry = REGISTRY, **info: object
+) -> ServiceMetrics:
+    """The service's metrics with the facts every service exports (KV capacity, TP size, device, dtype).
+    A second service in one process (the target's --draft-local) passes a registry of its own."""
+    metrics = ServiceMetrics(role, model_label(config), registry, comm_stats=comm_stats)
     metrics.kv_slots_total.set(config.max_batch_size)
     metrics.ready.set(0)
     metrics.set_info(tp_size=config.tp_size, device=config.device, dtype=config.dtype, **info)

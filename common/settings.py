@@ -70,15 +70,18 @@ def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentPar
     return parser
 
 
-def parse_config(cls: type[T], argv: list[str] | None, prog: str, description: str = "") -> T:
-    """Flags, then SPECSPLIT_* environment variables, then defaults. Errors name the flag."""
+def parse_config(
+    cls: type[T], argv: list[str] | None, prog: str, description: str = "", env: bool = True
+) -> T:
+    """Flags, then SPECSPLIT_* environment variables (unless `env` is False: a second service's flags
+    inside another's process must not pick up the first one's), then defaults. Errors name the flag."""
     parser = build_parser(cls, prog, description)
     args = vars(parser.parse_args(argv))
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         value = args[field.name]
-        if value is None and env_name(field.name) in os.environ:
+        if value is None and env and env_name(field.name) in os.environ:
             raw = os.environ[env_name(field.name)]
             tp = _base_type(hints[field.name])
             try:

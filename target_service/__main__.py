@@ -20,6 +20,7 @@ from common.tp_executor import launch_tp, torchrun_rank, tp_gpu_uuids
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
+from target_service.draft_local import LocalDraft, local_draft_config
 from target_service.draft_pool import DraftPool, default_server_name
 from target_service.runner import TargetRunner, tp_worker
 from target_service.scheduler import Scheduler
@@ -43,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     # The step loop, the gRPC threads and the streamer share the GIL: at the default 5 ms switch interval
     # a busy thread can hold up a message that has already arrived by up to 5 ms per thread hop.
     sys.setswitchinterval(config.switch_interval)
+    # --draft-local's flags are checked before the target loads: a typo fails in seconds.
+    draft_config = local_draft_config(config) if config.draft_local else None
     if torchrun_rank() > 0:
         # torchrun runs main() on every rank: ranks > 0 hold a model shard and serve rank 0's steps; the
         # ports (gRPC, health, /metrics) belong to rank 0 alone. launch_tp does not return here.
@@ -87,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     # already up (NOT_SERVING, specsplit_ready 0).
     try:
         link = None
-        if config.draft_address:
+        # Sent to each draft: one on the same GPUs drafts nothing ahead (it would delay the verify).
+        target_gpus = tp_gpu_uuids(config.device, comm.world_size)
+        if draft_config is not None:
+            link = LocalDraft(draft_config, metrics, mc.vocab_size, target_gpus)
+        elif config.draft_address:
             token = read_token(config.draft_auth_token_file) if config.draft_auth_token_file else None
             creds = channel_credentials(
                 config.draft_tls_ca or None, config.draft_tls_cert or None, config.draft_tls_key or None
@@ -96,9 +103,6 @@ def main(argv: list[str] | None = None) -> int:
             server_name = config.draft_tls_server_name or (
                 default_server_name(config.draft_address) if creds is not None else None
             )
-
-            # Sent to each draft: one on the same GPUs drafts nothing ahead (it would delay the verify).
-            target_gpus = tp_gpu_uuids(config.device, comm.world_size)
 
             def make_link(address: str, link_metrics: ServiceMetrics) -> DraftLink:
                 return DraftLink(address, link_metrics, mc.vocab_size, creds, token, server_name,
@@ -128,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
             metrics_port=metrics_port,
         )
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         log.error("%s", exc)
         return 2
 

@@ -12,6 +12,12 @@ class TargetConfig(ServiceConfig):
     draft_address: str = flag(
         "", "draft replicas: host:port, a comma list, or a DNS name for all of them; empty = plain decoding"
     )
+    draft_local: str = flag(
+        "",
+        "run the draft in this process instead of as a service, from serve-draft's flags (e.g. '--model "
+        "DIR'; device and dtype default to the target's): one GPU without the gRPC round trip between two "
+        "services; the draft's metrics on its own --metrics-port (default 9401). Needs --tp-size 1",
+    )
     num_speculative_tokens: int = flag(4, "default k per request")
     max_speculative_tokens: int = flag(8, "largest k a request may ask for")
     max_batch_size: int = flag(32, "requests verified together (= target KV slots)")
@@ -71,5 +77,9 @@ class TargetConfig(ServiceConfig):
             raise ValueError("--stream-interval: must be >= 1")
         if self.stream_messages_per_step < 0:
             raise ValueError("--stream-messages-per-step: must be >= 0 (0: no limit)")
+        if self.draft_local and self.draft_address:
+            raise ValueError("--draft-local: give either --draft-local or --draft-address, not both")
+        if self.draft_local and self.tp_size != 1:
+            raise ValueError("--draft-local: needs --tp-size 1 (run a draft service beside a TP target)")
         if self.draft_timeout <= 0:
             raise ValueError("--draft-timeout: must be > 0")

@@ -29,31 +29,18 @@ _STREAM_END = object()
 OnBranches = Callable[[draft_pb2.SpeculateResponse], bool]
 
 
-class DraftLink:
-    def __init__(
-        self,
-        address: str,
-        metrics: ServiceMetrics,
-        target_vocab_size: int,
-        credentials: grpc.ChannelCredentials | None = None,
-        token: str | None = None,
-        server_name: str | None = None,
-        backoff_max: float = 10.0,
-        *,
-        target_gpus: Sequence[str] = (),
-    ):
+class StreamLink:
+    """One draft as the draft session sees it: `connected`, `epoch`, `send` (queue a step's message, never
+    wait) and `receive` (the answer to a step). Each new stream starts a new epoch with fresh queues both
+    ways; what carries the messages is the subclass's: gRPC (DraftLink) or a draft in this process
+    (target_service/draft_local.py)."""
+
+    def __init__(self, metrics: ServiceMetrics, target_vocab_size: int, target_gpus: Sequence[str] = ()):
         """`target_gpus`: the UUIDs of the GPUs of the target's TP group (common.tp_executor.tp_gpu_uuids),
         sent with target_vocab_size on each stream's first message."""
-        self.address = address
         self.metrics = metrics
         self.target_vocab_size = target_vocab_size
         self.target_gpus = list(target_gpus)
-        self.credentials = credentials
-        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self.options = list(CHANNEL_OPTIONS)
-        if server_name:
-            self.options.append(("grpc.ssl_target_name_override", server_name))
-        self.backoff_max = backoff_max
         self.yield_after_send = True
         self.epoch = 0
         self._connected = threading.Event()
@@ -61,87 +48,42 @@ class DraftLink:
         self._send_q: queue.SimpleQueue | None = None
         self._recv_q: queue.SimpleQueue = queue.SimpleQueue()  # C queues: lighter hand-offs
         self._first_message = True
-        self._call: grpc.Call | None = None
-        self._thread = threading.Thread(target=self._run, name="draft-link", daemon=True)
         self.info: draft_pb2.GetDraftInfoResponse | None = None
 
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def start(self) -> None:
-        self._thread.start()
+    def wait_connected(self, timeout: float) -> bool:
+        return self._connected.wait(timeout)
 
     def close(self) -> None:
         self._closed.set()
         if self._send_q is not None:
             self._send_q.put(None)
-        if self._call is not None:
-            self._call.cancel()
 
-    def wait_connected(self, timeout: float) -> bool:
-        return self._connected.wait(timeout)
+    def _open_stream(self) -> queue.SimpleQueue:
+        """A new stream's queues and epoch; returns the queue its sender reads (None ends it)."""
+        send_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._recv_q = queue.SimpleQueue()
+        self._send_q = send_q
+        self._first_message = True
+        self.epoch += 1
+        self._connected.set()
+        self.metrics.draft_connected.set(1)
+        return send_q
 
-    def _channel(self) -> grpc.Channel:
-        if self.credentials is not None:
-            return grpc.secure_channel(self.address, self.credentials, options=self.options)
-        return grpc.insecure_channel(self.address, options=self.options)
+    def _stream_ended(self) -> None:
+        """The stream is gone: a waiting `receive` returns at once, and its sender stops."""
+        self._connected.clear()
+        self.metrics.draft_connected.set(0)
+        self._recv_q.put(_STREAM_END)
+        if self._send_q is not None:
+            self._send_q.put(None)
+            self._send_q = None
 
-    def _run(self) -> None:
-        backoff = 0.1
-        was_connected = False
-        last_error = ""
-        while not self._closed.is_set():
-            channel = self._channel()
-            try:
-                grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
-                stub = draft_pb2_grpc.DraftServiceStub(channel)
-                self.info = stub.GetDraftInfo(
-                    draft_pb2.GetDraftInfoRequest(), metadata=self.metadata, timeout=10
-                )
-                send_q: queue.SimpleQueue = queue.SimpleQueue()
-                self._recv_q = queue.SimpleQueue()
-                call = stub.Speculate(iter(send_q.get, None), metadata=self.metadata)
-                self._call, self._send_q = call, send_q
-                self._first_message = True
-                self.epoch += 1
-                self._connected.set()
-                self.metrics.draft_connected.set(1)
-                if was_connected:
-                    self.metrics.draft_reconnects.inc()
-                was_connected = True
-                log.info(
-                    "draft connected: %s (%s, tp=%d, epoch %d)",
-                    self.address,
-                    self.info.method,
-                    self.info.tp_size,
-                    self.epoch,
-                )
-                backoff = 0.1
-                for response in call:
-                    self.metrics.count_grpc_message("received", "speculate_response", response.ByteSize())
-                    self._recv_q.put(response)
-                raise grpc.RpcError("stream ended")
-            except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
-                if isinstance(exc, grpc.Call):
-                    detail = f"{exc.code().name}: {exc.details()}"
-                else:
-                    detail = str(exc) or "not reachable"
-                if self._connected.is_set():
-                    log.warning("draft lost: %s (%s); plain decoding until it is back", self.address, detail)
-                elif detail != last_error:
-                    log.warning("draft %s unavailable (%s); retrying with backoff", self.address, detail)
-                last_error = detail
-                self._connected.clear()
-                self.metrics.draft_connected.set(0)
-                self._recv_q.put(_STREAM_END)
-                if self._send_q is not None:
-                    self._send_q.put(None)
-                    self._send_q = None
-                channel.close()
-                if self._closed.wait(backoff):
-                    return
-                backoff = min(backoff * 2, self.backoff_max)
+    def _count_sent(self, msg: draft_pb2.SpeculateRequest) -> None:
+        """Counts a message as it is sent (gRPC's byte counters)."""
 
     def send(self, msg: draft_pb2.SpeculateRequest, epoch: int) -> bool:
         """Queue one step's message on the stream without waiting; False when not connected."""
@@ -152,7 +94,7 @@ class DraftLink:
             msg.target_vocab_size = self.target_vocab_size
             msg.target_gpus[:] = self.target_gpus
             self._first_message = False
-        self.metrics.count_grpc_message("sent", "speculate_request", msg.ByteSize())
+        self._count_sent(msg)
         send_q.put(msg)
         if self.yield_after_send:
             # gRPC's request-iterator thread puts the message on the wire, and needs the GIL for it.
@@ -185,3 +127,92 @@ class DraftLink:
             if response.step == step:
                 return response
         return None
+
+
+class DraftLink(StreamLink):
+    """A draft service over one long-lived gRPC Speculate stream, reconnected with exponential backoff."""
+
+    def __init__(
+        self,
+        address: str,
+        metrics: ServiceMetrics,
+        target_vocab_size: int,
+        credentials: grpc.ChannelCredentials | None = None,
+        token: str | None = None,
+        server_name: str | None = None,
+        backoff_max: float = 10.0,
+        *,
+        target_gpus: Sequence[str] = (),
+    ):
+        super().__init__(metrics, target_vocab_size, target_gpus)
+        self.address = address
+        self.credentials = credentials
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.options = list(CHANNEL_OPTIONS)
+        if server_name:
+            self.options.append(("grpc.ssl_target_name_override", server_name))
+        self.backoff_max = backoff_max
+        self._call: grpc.Call | None = None
+        self._thread = threading.Thread(target=self._run, name="draft-link", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        super().close()
+        if self._call is not None:
+            self._call.cancel()
+
+    def _count_sent(self, msg: draft_pb2.SpeculateRequest) -> None:
+        self.metrics.count_grpc_message("sent", "speculate_request", msg.ByteSize())
+
+    def _channel(self) -> grpc.Channel:
+        if self.credentials is not None:
+            return grpc.secure_channel(self.address, self.credentials, options=self.options)
+        return grpc.insecure_channel(self.address, options=self.options)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        was_connected = False
+        last_error = ""
+        while not self._closed.is_set():
+            channel = self._channel()
+            try:
+                grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
+                stub = draft_pb2_grpc.DraftServiceStub(channel)
+                self.info = stub.GetDraftInfo(
+                    draft_pb2.GetDraftInfoRequest(), metadata=self.metadata, timeout=10
+                )
+                send_q = self._open_stream()
+                self._call = stub.Speculate(iter(send_q.get, None), metadata=self.metadata)
+                call = self._call
+                if was_connected:
+                    self.metrics.draft_reconnects.inc()
+                was_connected = True
+                log.info(
+                    "draft connected: %s (%s, tp=%d, epoch %d)",
+                    self.address,
+                    self.info.method,
+                    self.info.tp_size,
+                    self.epoch,
+                )
+                backoff = 0.1
+                for response in call:
+                    self.metrics.count_grpc_message("received", "speculate_response", response.ByteSize())
+                    self._recv_q.put(response)
+                raise grpc.RpcError("stream ended")
+            except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
+                if isinstance(exc, grpc.Call):
+                    detail = f"{exc.code().name}: {exc.details()}"
+                else:
+                    detail = str(exc) or "not reachable"
+                if self._connected.is_set():
+                    log.warning("draft lost: %s (%s); plain decoding until it is back", self.address, detail)
+                elif detail != last_error:
+                    log.warning("draft %s unavailable (%s); retrying with backoff", self.address, detail)
+                last_error = detail
+                self._stream_ended()
+                channel.close()
+                if self._closed.wait(backoff):
+                    return
+                backoff = min(backoff * 2, self.backoff_max)

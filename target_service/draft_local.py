@@ -1,0 +1,110 @@
+"""The draft model in the target's own process (`--draft-local`): one GPU, no gRPC between the two.
+
+Two services on one GPU pay a gRPC round trip per speculative step on top of the draft's round (one H200,
+B=1: 2.31 ms from ask to answer for a 1.41 ms round; the rest is serialisation and thread hand-offs in both
+processes), and their kernels take turns between two CUDA contexts. Here the draft service's own stream
+logic (draft_service/stream.py: the same protocol, state, graphs and metrics) runs on a thread of the
+target's process and takes the scheduler's messages from a queue, one hand-off each way. A draft on GPUs
+of its own (its round then overlaps the target's verify), a TP target, or a draft shared by several
+targets need the draft service.
+"""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import threading
+import time
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
+
+from common.distributed import init_tp
+from common.kv_cache import SlotTable
+from common.metrics import ServiceMetrics, start_metrics_server
+from common.service import model_label, service_metrics
+from common.settings import parse_config
+from common.tp_executor import rank_device, tp_gpu_uuids
+from draft_service.config import DraftConfig
+from draft_service.runner import DraftRunner
+from draft_service.server import DraftServicer
+from draft_service.state import DraftState
+from draft_service.stream import DraftStream
+from specsplit.v1 import draft_pb2
+from target_service.config import TargetConfig
+from target_service.draft_link import StreamLink
+
+log = logging.getLogger("specsplit.target")
+
+
+def local_draft_config(target: TargetConfig) -> DraftConfig:
+    """The draft's config from --draft-local's flags (serve-draft's); device and dtype default to the
+    target's. No SPECSPLIT_* variables: those are the target's. A bad flag exits naming --draft-local."""
+    argv = ["--device", target.device, "--dtype", target.dtype, *shlex.split(target.draft_local)]
+    return parse_config(DraftConfig, argv, "--draft-local", env=False)
+
+
+class LocalDraft(StreamLink):
+    def __init__(
+        self, config: DraftConfig, metrics: ServiceMetrics, target_vocab_size: int, target_gpus: Sequence[str]
+    ):
+        """Loads the draft and captures its graphs (before the target serves: a capture must not overlap
+        the target's kernels); `metrics` are the target's, the draft's own go to their own registry."""
+        super().__init__(metrics, target_vocab_size, target_gpus)
+        if config.tp_size != 1:
+            raise ValueError("--draft-local: the draft runs on the target's GPU, --tp-size must be 1")
+        registry = CollectorRegistry()  # this process's default registry holds the target's series
+        self.draft_metrics = service_metrics("draft", config, registry, method=config.method)
+        try:
+            runner = DraftRunner(init_tp(1, 0, device=rank_device(config.device, 0)), config)
+        except (ValueError, FileNotFoundError) as exc:
+            raise ValueError(f"--draft-local: cannot load the draft model: {exc}") from exc
+        mc = runner.model.config
+        max_target_id = runner.max_target_id()
+        if max_target_id >= target_vocab_size:
+            raise ValueError(f"--draft-local: the draft's vocabulary ({max_target_id + 1}) is larger than "
+                             f"the target's ({target_vocab_size})")  # fmt: skip
+        state = DraftState(runner, SlotTable(config.max_batch_size))
+        self.draft = DraftServicer(config, state, self.draft_metrics, model_label(config), mc.vocab_size, 1,
+                                   mc.markov_rank > 0, tp_gpu_uuids(config.device, 1))  # fmt: skip
+        self.draft.max_target_id = max_target_id
+        self.info = self.draft.GetDraftInfo(draft_pb2.GetDraftInfoRequest(), None)
+        self.metrics_port = (
+            start_metrics_server(config.metrics_port, registry=registry) if config.metrics_port >= 0 else -1
+        )
+        self.draft_metrics.ready.set(1)
+        self.runner = runner
+        self._thread = threading.Thread(target=self._run, name="draft-local", daemon=True)
+        log.info("draft in this process: %s (%s, %s, %d CUDA graphs), metrics port %d", self.info.model,
+                 self.info.method, config.device, runner.graphs, self.metrics_port)  # fmt: skip
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        super().close()
+        self._thread.join(timeout=10)
+        self.runner.executor.shutdown()
+
+    def _run(self) -> None:
+        """One stream at a time, fed from the send queue. A failure (a message the draft refuses, or its
+        round raising) ends the stream as a lost connection would: the target decodes plainly, and the
+        next stream (a new epoch: the target re-sends its requests) starts after a backoff."""
+        backoff = 0.1
+        while not self._closed.is_set():
+            send_q = self._open_stream()
+            stream = DraftStream(self.draft, "in-process")
+            try:
+                for msg in iter(send_q.get, None):
+                    for response in stream.handle(msg, time.perf_counter()):
+                        self._recv_q.put(response)
+                    backoff = 0.1
+                return  # closed
+            except Exception:  # the target must survive its draft
+                log.exception("the in-process draft failed; plain decoding, a new stream in %.1f s", backoff)
+                self._stream_ended()
+            finally:
+                stream.close()
+            if self._closed.wait(backoff):
+                return
+            backoff = min(backoff * 2, 10.0)

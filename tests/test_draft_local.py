@@ -1,0 +1,139 @@
+"""The draft in the target's own process (`--draft-local`, target_service/draft_local.py).
+
+- Through real gRPC to a real target subprocess: output equals a target with no draft, token for token,
+  and drafts were made and accepted; the draft's metrics are on their own /metrics port (role=draft)
+  and no draft message went over gRPC.
+- Bad flags exit with status 2 and a message naming the flag, before or after the target's load.
+- In process: proposals equal the draft model's own greedy continuation; a failing round ends the stream
+  (plain decoding, as a lost connection), and the next stream (a new epoch) drafts again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+from service_util import assert_same_tokens, generate_many, prompts, request, running, start_target
+
+from common.distributed import init_tp
+from common.loader import load_model
+from common.metrics import ServiceMetrics
+from common.models.generate import greedy_generate
+from common.settings import parse_config
+from draft_service.stream import DraftStream
+from specsplit.launch import REPO, free_port
+from specsplit.v1 import draft_pb2
+from target_service.config import TargetConfig
+from target_service.draft_local import LocalDraft, local_draft_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_local_draft_is_lossless_and_speculates(demo_models, tmp_path):
+    draft_metrics = free_port()
+    flags = f"--model {demo_models.draft} --metrics-port {draft_metrics}"
+    local = start_target(demo_models.target, tmp_path, None, "--speculation-policy", "fixed",
+                         "--draft-local", flags, name="local")  # fmt: skip
+    plain = start_target(demo_models.target, tmp_path, None, name="plain")
+    with running(local, plain):
+        local.wait_ready()
+        plain.wait_ready()
+        ps = prompts(12, seed=3)
+        spec = generate_many(local.address, [request(p, max_new_tokens=32) for p in ps], 4)
+        ref = generate_many(plain.address, [request(p, max_new_tokens=32) for p in ps], 4)
+        assert_same_tokens(spec, ref)
+        drafted = sum(r.usage.drafted_tokens for r in spec)
+        accepted = sum(r.usage.accepted_tokens for r in spec)
+        assert all(r.usage.drafted_tokens > 0 for r in spec), "every request should have been speculated"
+        # The demo draft shares the target's first layer: acceptance well above chance.
+        assert accepted / drafted > 0.3, (accepted, drafted)
+        # The draft's own series, on its own port: every asked round ran there.
+        draft = type(local)("draft_service", local.popen, 0, draft_metrics, local.log)
+        assert draft.metric("specsplit_draft_step_seconds_count", role="draft") > 0
+        assert draft.metric("specsplit_ready", role="draft") == 1
+        assert local.metric("specsplit_draft_round_trip_seconds_count", role="target") > 0
+        assert local.metric("specsplit_draft_connected") == 1
+        # Nothing went over gRPC between the two: the message counters exist and stayed at zero.
+        assert local.metric("specsplit_grpc_messages_total", kind="speculate_request") == 0
+        assert local.metric("specsplit_grpc_messages_total", kind="generate_request") == len(ps)
+    assert "draft in this process: draft (greedy-local-argmax" in local.log_text()
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--draft-address", "127.0.0.1:1"], "give either --draft-local or --draft-address"),
+        (["--tp-size", "2"], "--draft-local: needs --tp-size 1"),
+        (["DRAFT --max-speculative-tokens 99"], "--max-speculative-tokens: must be in [1, 64]"),
+        (["DRAFT --no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["/nonexistent/draft"], "--draft-local: cannot load the draft model"),
+    ],
+)
+def test_bad_local_draft_flags_exit_naming_the_flag(demo_models, tmp_path, extra, message):
+    flags = "--model " + str(demo_models.draft)
+    if extra[0].startswith("DRAFT "):
+        flags, extra = flags + extra[0].removeprefix("DRAFT"), []
+    elif extra[0].startswith("/"):
+        flags, extra = "--model " + extra[0], []
+    cmd = [sys.executable, "-m", "target_service", "--model", str(demo_models.target), "--port", "0",
+           "--metrics-port", "-1", "--draft-local", flags, *extra]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def _local(demo_models) -> LocalDraft:
+    target = parse_config(TargetConfig, ["--model", str(demo_models.target), "--draft-local",
+                                         f"--model {demo_models.draft} --metrics-port -1"], "t")  # fmt: skip
+    metrics = ServiceMetrics("target", "t", CollectorRegistry())
+    return LocalDraft(local_draft_config(target), metrics, 512, [])
+
+
+def _ask(step: int, rid: int, ids: list[int], k: int) -> draft_pb2.SpeculateRequest:
+    msg = draft_pb2.SpeculateRequest(step=step, propose=[rid], propose_k=[k])
+    msg.starts.add(request_id=rid, token_ids=ids, num_speculative_tokens=k)
+    return msg
+
+
+def test_local_draft_proposes_its_greedy_continuation_and_survives_a_failed_round(demo_models, monkeypatch):
+    link = _local(demo_models)
+    link.start()
+    try:
+        ids = prompts(1, seed=7)[0]
+        assert link.wait_connected(5) and link.epoch == 1
+        model = load_model(demo_models.draft, init_tp(1, 0, device=torch.device("cpu")), device="cpu")
+        expected = greedy_generate(model, [ids], 4)[0]
+        assert link.send(_ask(1, 11, ids, 4), link.epoch)
+        answer = link.receive(1, 1, time.perf_counter() + 30)
+        assert answer is not None and list(answer.proposals[0].token_ids) == expected
+
+        # A round that raises ends the stream: the waiting step gets no answer (it decodes plainly).
+        real = DraftStream.handle
+        calls = []
+
+        def failing(self, msg, arrived):
+            calls.append(msg.step)
+            if len(calls) == 1:
+                raise RuntimeError("injected: the draft's round failed")
+            return real(self, msg, arrived)
+
+        monkeypatch.setattr(DraftStream, "handle", failing)
+        assert link.send(_ask(2, 12, ids, 4), 1)
+        assert link.receive(2, 1, time.perf_counter() + 30) is None
+        deadline = time.perf_counter() + 10
+        while link.epoch < 2 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert link.epoch == 2 and link.wait_connected(5)
+        assert not link.send(_ask(3, 13, ids, 4), 1), "a message of the dead stream's epoch is refused"
+        # The new stream knows nothing: the target re-sends its requests, and they are drafted for.
+        assert link.send(_ask(3, 11, ids, 4), 2)
+        answer = link.receive(3, 2, time.perf_counter() + 30)
+        assert answer is not None and list(answer.proposals[0].token_ids) == expected
+        assert calls == [2, 3]
+        assert link.draft.streams == 1
+    finally:
+        link.close()
