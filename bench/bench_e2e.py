@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.tiny import make_model_pair
 from common.training.measure import solve_alpha
-from specsplit.launch import metric_sum, start_service
+from specsplit.launch import ServiceProcess, free_port, metric_sum, start_service
 from specsplit.v1 import sampling_pb2, target_pb2, target_pb2_grpc
 
 PRESETS = {
@@ -275,6 +275,10 @@ def median_spread(values: list[float]) -> dict:
 class Stack:
     draft: object
     targets: dict  # mode -> ServiceProcess
+    local_drafts: dict  # MODE@local -> the /metrics of the draft inside that target (--draft-local)
+
+    def draft_of(self, name: str):
+        return self.local_drafts.get(name, self.draft)
 
 
 def target_names(modes: list[str], variant_modes: list[str]) -> list[str]:
@@ -284,8 +288,8 @@ def target_names(modes: list[str], variant_modes: list[str]) -> list[str]:
 
 
 def base_mode(name: str) -> str:
-    """plain, fixed or adaptive: the policy of a target named MODE or MODE+v."""
-    return name.split("+")[0]
+    """plain, fixed or adaptive: the policy of a target named MODE, MODE+v or MODE@local."""
+    return name.split("+")[0].split("@")[0]
 
 
 def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path) -> Stack:
@@ -318,9 +322,50 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
             logs / f"target-{name}-{dtype}.log",
             env=target_env,
         )  # fmt: skip
+    local_drafts = {}
+    for mode in getattr(args, "local_modes", []):  # the draft inside the target: --draft-local
+        name, port = f"{mode}@local", free_port()
+        flags = [
+            "--model",
+            str(draft_dir),
+            "--max-batch-size",
+            str(2 * max(args.batches)),
+            "--num-speculative-tokens",
+            str(args.k),
+            "--metrics-port",
+            str(port),
+            *args.draft_args.split(),
+        ]
+        extra = [
+            "--draft-local",
+            " ".join(flags),
+            "--speculation-policy",
+            mode,
+            "--log-level",
+            getattr(args, "target_log_level", "INFO"),
+            *getattr(args, "target_args", "").split(),
+        ]
+        if getattr(args, "step_traces", False):
+            extra += ["--step-trace", str(logs / f"target-{name}-{dtype}-steps.jsonl")]
+        targets[name] = start_service(
+            "target_service",
+            [
+                "--model",
+                str(target_dir),
+                *common,
+                "--num-speculative-tokens",
+                str(args.k),
+                "--max-batch-size",
+                max_batch,
+                *extra,
+            ],
+            logs / f"target-{name}-{dtype}.log",
+            env=target_env,
+        )
+        local_drafts[name] = ServiceProcess("draft_service", targets[name].popen, 0, port, targets[name].log)
     for t in targets.values():
         t.wait_ready(900)
-    return Stack(draft, targets)
+    return Stack(draft, targets, local_drafts)
 
 
 def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> dict:
@@ -360,14 +405,19 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
                 draft_tp_bytes_per_drafted_token=statistics.median(
                     r["draft_tp_bytes_per_drafted_token"] for r in rs),
             )  # fmt: skip
-    if "fixed" in row and "plain" in row:
-        f = row["fixed"]
+    for mode in ("fixed", "fixed@local"):
+        if mode not in row or "plain" not in row:
+            continue
+        f = row[mode]
         # c: one draft position (a round of k, measured on the draft) over one plain step (measured TPOT
         # of the plain target at this batch: one token per request per step).
         c = (f["draft_round_ms"] / k) / row["plain"]["tpot_ms"]["median"] if f["draft_round_ms"] else 0.0
-        row["cost_ratio_c"] = c
-        row["ideal_speedup"] = ideal_speedup(f["mean_accepted"], k, c)
-        row["efficiency"] = f["speedup_vs_plain"] / row["ideal_speedup"] if row["ideal_speedup"] else 0.0
+        ideal = ideal_speedup(f["mean_accepted"], k, c)
+        f.update(
+            cost_ratio_c=c, ideal_speedup=ideal, efficiency=f["speedup_vs_plain"] / ideal if ideal else 0.0
+        )
+        if mode == "fixed":  # the row's own figures: the two-service placement
+            row.update(cost_ratio_c=c, ideal_speedup=ideal, efficiency=f["efficiency"])
     return row
 
 
@@ -418,6 +468,9 @@ def main() -> int:
         help="skip the k=0 runs through the fixed target (a profile of fixed steps alone)",
     )
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--local-modes", nargs="*", default=[], choices=["fixed", "adaptive"],
+                    help="also run targets MODE@local whose draft runs inside them (--draft-local), "
+                         "interleaved with the others")  # fmt: skip
     ap.add_argument("--placement", default="auto", choices=["auto", "colocated", "split"],
                     help="split: each service on its own GPUs; auto: split if enough")  # fmt: skip
     ap.add_argument("--draft-tp-size", type=int, default=1)
@@ -463,7 +516,8 @@ def main() -> int:
         try:
             for batch in args.batches:  # warm-up: allocator, connections (graphs are captured at start)
                 for mode, t in stack.targets.items():
-                    run_batch(t, stack.draft, prompts[:batch], 8, 0 if base_mode(mode) == "plain" else args.k)
+                    k = 0 if base_mode(mode) == "plain" else args.k
+                    run_batch(t, stack.draft_of(mode), prompts[:batch], 8, k)
             for batch in args.batches:
                 runs: dict[str, list[dict]] = {m: [] for m in [*stack.targets, "k0_with_draft"]}
                 if "fixed" not in stack.targets or args.no_k0:
@@ -471,7 +525,9 @@ def main() -> int:
                 for _ in range(args.repeats):  # interleaved: plain, k=0 with draft, fixed, adaptive, ...
                     for mode, t in stack.targets.items():
                         k = 0 if base_mode(mode) == "plain" else args.k
-                        runs[mode].append(run_batch(t, stack.draft, prompts[:batch], args.new_tokens, k))
+                        runs[mode].append(
+                            run_batch(t, stack.draft_of(mode), prompts[:batch], args.new_tokens, k)
+                        )
                         if "k0_with_draft" in runs and mode == "fixed":
                             runs["k0_with_draft"].append(
                                 run_batch(t, stack.draft, prompts[:batch], args.new_tokens, 0)
@@ -501,6 +557,14 @@ def main() -> int:
           f"prompt {args.prompt_len}, {args.repeats} interleaved repeats (median [min-max])")  # fmt: skip
     print(markdown_table(rows))
     for r in rows:
+        for mode in (m for m in r if m.endswith("@local")):
+            m = r[mode]
+            t, each = m["tokens_per_s"], ", ".join(f"{x:.2f}" for x in m.get("speedup_each_repeat", []))
+            eff = f", efficiency {m['efficiency']:.2f}" if "efficiency" in m else ""
+            print(f"{mode} (draft in the target), {r['dtype']} B={r['batch']}: {t['median']:.0f} "
+                  f"[{t['min']:.0f}-{t['max']:.0f}] tok/s, / plain: {each}; round trip "
+                  f"{m['round_trip_ms']:.2f} ms, draft round {m['draft_round_ms']:.2f} ms, host "
+                  f"{m['step_host_ms']:.2f} ms, mean k {m['mean_k']:.2f}{eff}")  # fmt: skip
         for mode in (m for m in r if m.endswith("+v")):
             t, base = r[mode]["tokens_per_s"], r[base_mode(mode)]["tokens_per_s"]["runs"]
             each = ", ".join(f"{a / b:.2f}" for a, b in zip(t["runs"], base))
