@@ -193,7 +193,9 @@ class DraftSession:
             self._new_epoch(link.epoch, batch)
         ks = {}
         want = []
-        for r in batch:
+        # A plain step (k = 0) asks for nothing unless a request pins its k: no per-request pass then. At
+        # B=64 on one H200 the adaptive target's plain steps ran ~4 % slower than a target without a draft.
+        for r in batch if k > 0 or any(r.pinned_k for r in batch) else ():
             # A seeded sampled request keeps its own k: its output then depends on its seed alone, not
             # on the batch it shares (the policy's k does; greedy output never depends on k).
             n = r.k if r.pinned_k else min(k, r.k)
