@@ -45,6 +45,8 @@ def local_draft_config(target: TargetConfig) -> DraftConfig:
 
 
 class LocalDraft(StreamLink):
+    in_process = True  # the scheduler streams no tokens while it waits for this draft's round
+
     def __init__(
         self, config: DraftConfig, metrics: ServiceMetrics, target_vocab_size: int, target_gpus: Sequence[str]
     ):

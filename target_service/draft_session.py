@@ -126,6 +126,11 @@ class DraftSession:
         return self.link is not None
 
     @property
+    def draft_in_process(self) -> bool:
+        """The draft runs in this process (target_service/draft_local.py): it shares the GIL."""
+        return getattr(self.link, "in_process", False)
+
+    @property
     def connected(self) -> bool:
         return self.link is not None and self.link.connected
 

@@ -235,7 +235,11 @@ class Scheduler:
         if new:  # admitted since the last ask (or the first step): ask for them too, from their first step
             self._ask(batch, new)
         t1 = time.perf_counter()
-        proposals = self.session.collect(batch, self._hand_over_tokens)  # propose (tokens go while it waits)
+        # propose: the last step's tokens go to the streamer while the draft's answer is awaited, unless the
+        # draft runs in this process (--draft-local): there the streamer and the event loop would take the
+        # GIL from the draft's round, and the runner hands them over once the verify is launched instead.
+        hand_over = None if self.session.draft_in_process else self._hand_over_tokens
+        proposals = self.session.collect(batch, hand_over)
         t2 = time.perf_counter()
         rows, drafts = self._rows(batch, proposals)
         width = max(len(d) for d in drafts) + 1
