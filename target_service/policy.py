@@ -30,6 +30,14 @@ FIXED, ADAPTIVE = "fixed", "adaptive"
 # fixed k = 4). So once a timed k within REFRESH_WITHIN of the best estimated goodput has gone REFRESH_AGE
 # steady steps at its bucket without a sample, it runs REFRESH_STEPS steps and its old samples are dropped.
 REFRESH_AGE, REFRESH_STEPS, REFRESH_WITHIN = 64, 4, 0.6
+# After plain steps, a batch whose requests all have decoded at least SWITCH_ON_MIN_LEFT tokens and have
+# fewer than that left stays plain: its first speculative step would pay the draft's catch-up on every
+# token since (8-13 ms per step at B = 17-59 after ~300 plain steps, one H200), more than its last few steps
+# can win back. One H200, B=64 (thirteenth session): requests put out of step by a try of speculation
+# finished over a tail of 10-18 steps through the smaller buckets, where speculation was on (it wins at
+# B <= 16), and the adaptive target's tails cost 46-109 ms of ~1250 ms runs (0.93-0.97x plain). Requests
+# that have barely started are exempt: the draft's work for them (the prompt) is the same now or later.
+SWITCH_ON_MIN_LEFT = 32
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -61,6 +69,7 @@ class SpeculationPolicy:
         self.gate = ModeGate(costs, on_handicap=SPECULATION_HANDICAP) if gate and mode == ADAPTIVE else None
         self.gated = False
         self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
+        self.last_k: int | None = None  # the k chosen for the last step (None: none chosen yet)
 
     @property
     def prior_alpha(self) -> float:
@@ -72,6 +81,22 @@ class SpeculationPolicy:
 
     def choose(self, batch: Sequence[Request]) -> int:
         """The step's k: each request r then drafts min(k, r.k) tokens."""
+        k = self._choose(batch)
+        if k and self.last_k == 0 and self.mode == ADAPTIVE and self._ending(batch):
+            self.gated = False  # a plain step outside the gate's windows (observe_step skips it)
+            k = 0
+        self.last_k = k
+        return k
+
+    @staticmethod
+    def _ending(batch: Sequence[Request]) -> bool:
+        """Whether every request is past its start and within SWITCH_ON_MIN_LEFT tokens of its end."""
+        return all(
+            len(r.output) >= SWITCH_ON_MIN_LEFT and r.max_new_tokens - len(r.output) < SWITCH_ON_MIN_LEFT
+            for r in batch
+        )
+
+    def _choose(self, batch: Sequence[Request]) -> int:
         max_k = max((r.k for r in batch), default=0)
         self.gated = False  # the step this chooses for is one of the gate's (observe_step)
         if self.mode == FIXED or max_k == 0:

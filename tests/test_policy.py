@@ -659,3 +659,28 @@ def test_a_stalled_step_does_not_switch_the_mode(monkeypatch):
     monkeypatch.setattr(gate_module, "STALL_CAP", float("inf"))
     uncapped = runs()
     assert sum(s for s, _ in uncapped) / 5 > 0.1 and sum(n for _, n in uncapped) / 5 > 45, uncapped
+
+
+def test_a_batch_near_its_end_does_not_switch_speculation_back_on():
+    """After plain steps, requests that have decoded a while and end within SWITCH_ON_MIN_LEFT tokens stay
+    plain (the draft's catch-up would cost more than their last steps win); speculation already on goes
+    on, and fresh requests speculate whatever their length."""
+    c = costs(1, {1: 1.0e-3, 2: 1.02e-3, 3: 1.04e-3, 4: 1.07e-3, 5: 1.1e-3}, draft=0.3e-3)
+    policy = SpeculationPolicy("adaptive", c, gate=False)
+    n = policy_module.SWITCH_ON_MIN_LEFT
+
+    def batch(done: int, left: int) -> list[Request]:
+        out = reqs(1, alpha=0.8)
+        out[0].output, out[0].max_new_tokens = [7] * done, done + left
+        return out
+
+    policy.last_k = 0  # the last step was plain
+    assert policy.choose(batch(10 * n, n - 1)) == 0
+    assert policy.last_k == 0 and not policy.gated
+    # Power: the same batch with enough left, a fresh short request, and speculation already on all get k=4.
+    assert policy.choose(batch(10 * n, n)) == 4
+    assert policy.choose(batch(10 * n, n - 1)) == 4  # last_k is 4 now: speculation stays on to the end
+    policy.last_k = 0
+    assert policy.choose(batch(0, n - 1)) == 4
+    policy.last_k = 0
+    assert SpeculationPolicy("fixed", c).choose(batch(10 * n, 1)) == 4  # fixed k is never held back
