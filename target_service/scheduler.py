@@ -37,6 +37,13 @@ __all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposa
 
 LOG_EVERY = 64  # steps between the DEBUG phase and policy lines
 BRANCH_SETTLE = 2  # speculative steps after plain ones that the branch gate does not count
+# Steps that start or finish requests are neither mode's rate in the gates' windows: finishing requests
+# and first tokens cost host work (last messages, streams closed, first messages) in whatever mode, and
+# after a burst (a quarter of the batch or more) the next BURST_SETTLE steps still carry it. One H200,
+# B=64 (thirteenth session): plain steps ran 3.0-5.7 ms while requests put out of step finished (2.7 ms
+# otherwise), the gate read those windows at 13.5-16 k tok/s against 23-24 k, switched speculation on,
+# and the next run started speculating, which put its requests out of step again.
+BURST_SETTLE = 2
 
 log = logging.getLogger("specsplit.target")
 
@@ -75,6 +82,8 @@ class Scheduler:
         # Plain steps in a row that waited for no ask: past PLAIN_SETTLE of them, one is timed as k = 0.
         self.plain_run = PLAIN_SETTLE  # at start the draft runs nothing
         self.spec_run = 0  # speculative steps in a row (the branch gate's settle)
+        self.finished_in_step = 0  # requests the latest commit finished
+        self.burst_settle = 0  # steps after a burst of starts or finishes that the gates do not count
         self.policy_errors = 0  # exceptions the policy, gates or accounting raised (_safely)
         # The ask for the next step is sent in this step's commit: its seconds are the next step's cost
         # (a plain step that precedes a speculative one would otherwise pay for it, and the last step of
@@ -250,7 +259,7 @@ class Scheduler:
         t4 = time.perf_counter()
         self.session.note_step(drafted_rows, accepted, t3 - t2)
         marks = (t0, t1, t2, t3, t4)
-        self._safely("the step's accounting", self._account, None, batch, width, result, bool(new), *marks)
+        self._safely("the step's accounting", self._account, None, batch, width, result, len(new), *marks)
 
     def _safely(self, what: str, fn, default, *args):
         """fn(*args), or `default` when it raises: the policy, the gates and the step's accounting only
@@ -338,6 +347,7 @@ class Scheduler:
             if finish != FINISH.FINISH_REASON_UNSPECIFIED:
                 finished.append((req, finish))
         done = {id(r) for r, _ in finished}
+        self.finished_in_step = len(finished)
         t0 = time.perf_counter()
         self._ask([r for r in batch if id(r) not in done and not r.cancelled])
         self.ask_seconds = time.perf_counter() - t0
@@ -358,9 +368,20 @@ class Scheduler:
             self._finish(req, finish)
         return num_drafts, num_accepted
 
-    def _account(self, batch, width: int, result: StepResult, started: bool, *marks: float) -> None:
+    def _churned(self, batch: int, started: int) -> bool:
+        """Whether this step started or finished requests, or follows a burst of them (BURST_SETTLE)."""
+        churn = started + self.finished_in_step
+        if 4 * churn >= batch:
+            self.burst_settle = BURST_SETTLE
+            return True
+        settling, self.burst_settle = self.burst_settle > 0, max(0, self.burst_settle - 1)
+        return churn > 0 or settling
+
+    def _account(self, batch, width: int, result: StepResult, started: int, *marks: float) -> None:
+        """`started`: requests this step started on the draft (admitted since the last ask)."""
         t0, t1, t2, t3, t4 = marks
         emitted = sum(len(out) for out in result.tokens)
+        churned = self._churned(len(batch), started)
         if self.learn_costs:
             wall = t4 - t0 - self.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = self.ask_seconds
@@ -370,12 +391,12 @@ class Scheduler:
         branch_exploring = (
             self.branch_gate is not None and width > 1 and self.branch_gate.exploring(len(batch))
         )
-        if speculation_exploring or not branch_exploring:
+        if (speculation_exploring or not branch_exploring) and not churned:
             self.policy.observe_step(len(batch), emitted, t4 - t0)
         # Branches only change steady speculative steps: not plain ones, not the first ones after plain
-        # steps (no branches yet, whether asked for or not), not one that starts a request on the draft.
+        # steps (no branches yet, whether asked for or not), not one that starts or finishes requests.
         self.spec_run = self.spec_run + 1 if width > 1 else 0
-        if self.branch_gate is not None and self.spec_run > BRANCH_SETTLE and not started:
+        if self.branch_gate is not None and self.spec_run > BRANCH_SETTLE and not churned:
             if not speculation_exploring:
                 self.branch_gate.observe(len(batch), emitted, t4 - t0)
         self.metrics.verify_step.observe(t3 - t2)
@@ -391,7 +412,7 @@ class Scheduler:
         self.steps += 1
         if self.trace is not None:
             gate = self.policy.gate.mode(len(batch)) if self.policy.gate is not None else None
-            self.trace.step(len(batch), width, emitted, self.asked_k, gate, started, *marks)
+            self.trace.step(len(batch), width, emitted, self.asked_k, gate, started > 0, *marks)
         for phase, a, b in (("plan", t0, t1), ("propose", t1, t2), ("verify", t2, t3), ("commit", t3, t4)):
             self.phase_seconds[phase] += b - a
         if self.steps % LOG_EVERY == 0 and log.isEnabledFor(logging.DEBUG):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -25,7 +26,7 @@ from common.metrics import ServiceMetrics
 from common.models.generate import greedy_generate
 from common.settings import parse_config
 from draft_service.stream import DraftStream
-from specsplit.launch import REPO, free_port
+from specsplit.launch import REPO, ServiceProcess
 from specsplit.v1 import draft_pb2
 from target_service.config import TargetConfig
 from target_service.draft_local import LocalDraft, local_draft_config
@@ -34,8 +35,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_local_draft_is_lossless_and_speculates(demo_models, tmp_path):
-    draft_metrics = free_port()
-    flags = f"--model {demo_models.draft} --metrics-port {draft_metrics}"
+    flags = f"--model {demo_models.draft} --metrics-port 0"  # a free port, named in the log
     local = start_target(demo_models.target, tmp_path, None, "--speculation-policy", "fixed",
                          "--draft-local", flags, name="local")  # fmt: skip
     plain = start_target(demo_models.target, tmp_path, None, name="plain")
@@ -52,7 +52,8 @@ def test_local_draft_is_lossless_and_speculates(demo_models, tmp_path):
         # The demo draft shares the target's first layer: acceptance well above chance.
         assert accepted / drafted > 0.3, (accepted, drafted)
         # The draft's own series, on its own port: every asked round ran there.
-        draft = type(local)("draft_service", local.popen, 0, draft_metrics, local.log)
+        port = int(re.search(r"draft in this process: .* metrics port (\d+)", local.log_text()).group(1))
+        draft = ServiceProcess("draft_service", local.popen, 0, port, local.log)
         assert draft.metric("specsplit_draft_step_seconds_count", role="draft") > 0
         assert draft.metric("specsplit_ready", role="draft") == 1
         assert local.metric("specsplit_draft_round_trip_seconds_count", role="target") > 0
