@@ -1,4 +1,5 @@
-"""The target's side of the draft connection: one long-lived Speculate stream.
+"""The target's side of the draft connection: one long-lived Speculate stream (DraftLink; a draft in the
+target's own process, target_service/draft_local.py, is the same StreamLink without gRPC).
 
 A background thread keeps the stream up and reconnects with exponential backoff.
 Each new stream starts a new `epoch`: the draft lost all state, so the scheduler
@@ -97,9 +98,10 @@ class StreamLink:
         self._count_sent(msg)
         send_q.put(msg)
         if self.yield_after_send:
-            # gRPC's request-iterator thread puts the message on the wire, and needs the GIL for it.
-            # Without this the caller (the scheduler, streaming the step's tokens next) and the streamer
-            # and event-loop threads it wakes can keep the GIL for up to a switch interval each first.
+            # The thread that carries the message (gRPC's request-iterator thread, or the in-process
+            # draft's) needs the GIL for it. Without this the caller (the scheduler, streaming the step's
+            # tokens next) and the streamer and event-loop threads it wakes can keep the GIL for up to a
+            # switch interval each first.
             time.sleep(0)
         return True
 

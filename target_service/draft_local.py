@@ -85,7 +85,9 @@ class LocalDraft(StreamLink):
 
     def close(self) -> None:
         super().close()
-        self._thread.join(timeout=10)
+        self.draft_metrics.ready.set(0)
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
         self.runner.executor.shutdown()
 
     def _run(self) -> None:
