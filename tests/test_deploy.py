@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 VENV_BIN = ROOT / ".venv" / "bin"
 K8S_VERSION = "1.32.0"  # the oldest version we support: native gRPC probes GA, preStop sleep on by default
-OVERLAYS = ("cpu-dev", "gpu", "gpu-production")
+OVERLAYS = ("cpu-dev", "gpu", "gpu-production", "gpu-single")
 RUNBOOK_URL = "https://github.com/specsplit/specsplit/blob/main/docs/runbook.md#"
 CRD_GROUPS = ("monitoring.coreos.com", "keda.sh", "cert-manager.io")
 SCHEMAS = DEPLOY / "schemas"
@@ -157,7 +157,10 @@ def test_pods_are_restricted_probed_and_drain_in_time(overlay):
     docs = render(overlay)
     configs = configs_of(docs)
     deployments = [d for d in docs if d["kind"] == "Deployment"]
-    assert {d["metadata"]["name"] for d in deployments} == {"specsplit-draft", "specsplit-target"}
+    # gpu-single runs the draft inside the target (--draft-local): no draft Deployment.
+    single = overlay == "gpu-single"
+    names = {"specsplit-target"} if single else {"specsplit-draft", "specsplit-target"}
+    assert {d["metadata"]["name"] for d in deployments} == names
     for dep in deployments:
         name = dep["metadata"]["name"]
         pod = dep["spec"]["template"]["spec"]
@@ -197,18 +200,22 @@ def test_pods_are_restricted_probed_and_drain_in_time(overlay):
         else:
             assert gpus is None and config["SPECSPLIT_DEVICE"] == "cpu"
     target = next(d for d in deployments if d["metadata"]["name"] == "specsplit-target")
-    (affinity,) = target["spec"]["template"]["spec"]["affinity"]["podAffinity"][
-        "preferredDuringSchedulingIgnoredDuringExecution"
-    ]
-    term = affinity["podAffinityTerm"]
-    assert term["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "specsplit-draft"}
-    assert term["topologyKey"] == "kubernetes.io/hostname"
-    # Every request a target batches can hold a draft slot, also with every target busy at once.
-    replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in deployments}
-    draft_slots = int(configs["specsplit-draft-config"]["SPECSPLIT_MAX_BATCH_SIZE"])
     target_batch = int(configs["specsplit-target-config"]["SPECSPLIT_MAX_BATCH_SIZE"])
-    assert draft_slots >= target_batch
-    assert draft_slots * replicas["specsplit-draft"] >= target_batch * replicas["specsplit-target"]
+    if single:  # each target's own draft has a slot per request it batches
+        local = configs["specsplit-target-config"]["SPECSPLIT_DRAFT_LOCAL"].split()
+        assert int(local[local.index("--max-batch-size") + 1]) >= target_batch
+    else:
+        (affinity,) = target["spec"]["template"]["spec"]["affinity"]["podAffinity"][
+            "preferredDuringSchedulingIgnoredDuringExecution"
+        ]
+        term = affinity["podAffinityTerm"]
+        assert term["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "specsplit-draft"}
+        assert term["topologyKey"] == "kubernetes.io/hostname"
+        # Every request a target batches can hold a draft slot, also with every target busy at once.
+        replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in deployments}
+        draft_slots = int(configs["specsplit-draft-config"]["SPECSPLIT_MAX_BATCH_SIZE"])
+        assert draft_slots >= target_batch
+        assert draft_slots * replicas["specsplit-draft"] >= target_batch * replicas["specsplit-target"]
     dashboard = next(
         d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "specsplit-dashboard"
     )
@@ -283,6 +290,40 @@ def test_production_overlay_tls_probes_models_and_autoscaling():
     assert "time_per_output_token" in target_metrics
     (draft_trigger,) = scaled["specsplit-draft"]["spec"]["triggers"]
     assert "kv_slots_used" in draft_trigger["metadata"]["query"]
+
+
+def test_single_gpu_overlay_runs_the_draft_in_the_target(monkeypatch):
+    """gpu-single: the target's own env parses to a target with --draft-local and no draft address (TP 1
+    on one GPU), the draft's flags to a draft on the PVC whose metrics port the pod, its Service, the
+    ServiceMonitor and the NetworkPolicy all expose; none of the draft service's objects remain."""
+    from common.settings import parse_config
+    from target_service.config import TargetConfig
+    from target_service.draft_local import local_draft_config
+
+    docs = render("gpu-single")
+    env = configs_of(docs)["specsplit-target-config"]
+    for name in [n for n in os.environ if n.startswith("SPECSPLIT_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    target = parse_config(TargetConfig, [], "target_service")
+    assert target.draft_address == "" and target.draft_local and target.tp_size == 1
+    draft = local_draft_config(target)
+    assert draft.model == "/models/draft" and draft.device == target.device and draft.dtype == target.dtype
+    assert draft.max_batch_size >= target.max_batch_size
+    assert not [d for d in docs if "specsplit-draft" in d["metadata"]["name"]]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert {"containerPort": draft.metrics_port, "name": "draft-metrics"} in container["ports"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    (service,) = [d for d in docs if d["kind"] == "Service"]
+    assert {"name": "draft-metrics", "port": draft.metrics_port, "targetPort": "draft-metrics"} in service[
+        "spec"
+    ]["ports"]
+    (monitor,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"metrics", "draft-metrics"}
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert {"port": "draft-metrics"} in policy["spec"]["ingress"][0]["ports"]
 
 
 def test_model_download_refuses_a_revision_that_can_move(tmp_path):
