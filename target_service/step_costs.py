@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import math
 import statistics
 from collections.abc import Sequence
 
@@ -95,11 +94,10 @@ class StepCosts:
         self.steps_at[b] += 1
         self.timed_at[b, k] = self.steps_at[b]
 
-    def age(self, batch: int, k: int) -> float:
-        """Steady steps timed at this bucket since k's last sample there (inf: never timed)."""
+    def age(self, batch: int, k: int) -> int:
+        """Steady steps timed at this bucket since k's last sample there (never timed: since the first)."""
         b = self.bucket(batch)
-        last = self.timed_at.get((b, k))
-        return math.inf if last is None else self.steps_at[b] - last
+        return self.steps_at[b] - self.timed_at.get((b, k), 0)
 
     def timed(self, batch: int, k: int) -> bool:
         """Whether whole steady steps at k were timed at this bucket (else its cost is its parts)."""

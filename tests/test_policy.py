@@ -684,3 +684,36 @@ def test_a_batch_near_its_end_does_not_switch_speculation_back_on():
     assert policy.choose(batch(0, n - 1)) == 4
     policy.last_k = 0
     assert SpeculationPolicy("fixed", c).choose(batch(10 * n, 1)) == 4  # fixed k is never held back
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_an_untimed_k_is_tried_once_its_bucket_is_old(gate, monkeypatch):
+    """k = 4 never timed, its estimate from parts inflated by a long draft wait measured for it (5.2 ms
+    against 4.0 ms steady), so k = 2 (3.5 ms timed) rates best. After REFRESH_AGE steady steps at the
+    bucket k = 4 is tried, timed and kept (one H200, the draft in the target: the policy sat at k = 2)."""
+    true = {0: 2e-3, 1: 6e-3, 2: 3.5e-3, 3: 6e-3, 4: 4.0e-3}
+
+    def run() -> list[int]:
+        c = costs(1, {w: 1e-3 for w in range(1, 6)})
+        c.observe_draft(1, 2, 0.5e-3)
+        c.observe_draft(1, 4, 3e-3)
+        for k in (0, 1, 2, 3):
+            c.observe_step(1, k, true[k], verify=1e-3, draft_wait=0.0)
+        policy, batch, chosen = SpeculationPolicy("adaptive", c, gate=gate), reqs(1, alpha=0.8), []
+        assert not c.timed(1, 4) and c.step_seconds(1, 4) > true[4] * 1.2
+        for _ in range(300):
+            k = policy.choose(batch)
+            chosen.append(k)
+            c.observe_step(1, k, true[k], verify=1e-3, draft_wait=0.0)
+            policy.observe_step(1, round(policy.batch_tokens(batch, 4)[k]), true[k])
+        return chosen
+
+    chosen = run()
+    assert chosen[:16] == [2] * 16, chosen[:16]
+    first_k4 = chosen.index(4)
+    assert first_k4 <= policy_module.REFRESH_AGE + 20, first_k4
+    late = chosen[first_k4 + policy_module.REFRESH_STEPS :]
+    assert sum(k == 4 for k in late) / len(late) >= 0.85, chosen
+    # Power: without tries of untimed (or stale) k, k = 2 holds throughout.
+    monkeypatch.setattr(policy_module, "REFRESH_AGE", 10**9)
+    assert 4 not in run()
