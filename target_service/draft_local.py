@@ -96,6 +96,8 @@ class LocalDraft(StreamLink):
         next stream (a new epoch: the target re-sends its requests) starts after a backoff."""
         backoff = 0.1
         while not self._closed.is_set():
+            if self.epoch:  # a new stream after a failed one: counted as a gRPC link counts a reconnect
+                self.metrics.draft_reconnects.inc()
             send_q = self._open_stream()
             stream = DraftStream(self.draft, "in-process")
             try:

@@ -87,10 +87,10 @@ def test_bad_local_draft_flags_exit_naming_the_flag(demo_models, tmp_path, extra
     assert message in done.stdout + done.stderr, done.stdout + done.stderr
 
 
-def _local(demo_models) -> LocalDraft:
+def _local(demo_models, registry: CollectorRegistry) -> LocalDraft:
     target = parse_config(TargetConfig, ["--model", str(demo_models.target), "--draft-local",
                                          f"--model {demo_models.draft} --metrics-port -1"], "t")  # fmt: skip
-    metrics = ServiceMetrics("target", "t", CollectorRegistry())
+    metrics = ServiceMetrics("target", "t", registry)
     return LocalDraft(local_draft_config(target), metrics, 512, [])
 
 
@@ -101,7 +101,8 @@ def _ask(step: int, rid: int, ids: list[int], k: int) -> draft_pb2.SpeculateRequ
 
 
 def test_local_draft_proposes_its_greedy_continuation_and_survives_a_failed_round(demo_models, monkeypatch):
-    link = _local(demo_models)
+    registry = CollectorRegistry()
+    link = _local(demo_models, registry)
     link.start()
     try:
         ids = prompts(1, seed=7)[0]
@@ -136,5 +137,8 @@ def test_local_draft_proposes_its_greedy_continuation_and_survives_a_failed_roun
         assert answer is not None and list(answer.proposals[0].token_ids) == expected
         assert calls == [2, 3]
         assert link.draft.streams == 1
+        labels = {"role": "target", "model": "t"}
+        assert registry.get_sample_value("specsplit_draft_reconnects_total", labels) == 1
+        assert registry.get_sample_value("specsplit_draft_connected", labels) == 1
     finally:
         link.close()
