@@ -71,9 +71,12 @@ class LocalDraft(StreamLink):
                                    mc.markov_rank > 0, tp_gpu_uuids(config.device, 1))  # fmt: skip
         self.draft.max_target_id = max_target_id
         self.info = self.draft.GetDraftInfo(draft_pb2.GetDraftInfoRequest(), None)
-        self.metrics_port = (
-            start_metrics_server(config.metrics_port, registry=registry) if config.metrics_port >= 0 else -1
-        )
+        self.metrics_port = -1
+        try:
+            if config.metrics_port >= 0:
+                self.metrics_port = start_metrics_server(config.metrics_port, registry=registry)
+        except OSError as exc:  # e.g. a draft service on this host already serves 9401
+            raise ValueError(f"--draft-local: --metrics-port {config.metrics_port}: {exc}") from exc
         self.draft_metrics.ready.set(1)
         self.runner = runner
         self._thread = threading.Thread(target=self._run, name="draft-local", daemon=True)

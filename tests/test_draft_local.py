@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -85,6 +86,19 @@ def test_bad_local_draft_flags_exit_naming_the_flag(demo_models, tmp_path, extra
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+def test_a_busy_draft_metrics_port_exits_naming_it(demo_models):
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        flags = f"--model {demo_models.draft} --metrics-port {port}"
+        cmd = [sys.executable, "-m", "target_service", "--model", str(demo_models.target), "--port", "0",
+               "--metrics-port", "-1", "--draft-local", flags]  # fmt: skip
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"--draft-local: --metrics-port {port}:" in done.stdout + done.stderr, done.stdout + done.stderr
 
 
 def _local(demo_models, registry: CollectorRegistry) -> LocalDraft:
