@@ -307,3 +307,9 @@ def start_metrics_server(port: int, addr: str = "0.0.0.0", registry: CollectorRe
     """Serves /metrics over HTTP on a daemon thread; returns the bound port (port 0 picks a free one)."""
     server, _thread = start_http_server(port, addr=addr, registry=registry)
     return server.server_port
+
+
+def announce_metrics_port(port: int) -> None:
+    """The service's own /metrics port on stdout as soon as it serves (before the model loads), for
+    launchers that let it pick one (specsplit.launch passes --metrics-port 0)."""
+    print(f"SPECSPLIT_METRICS port={port}", flush=True)

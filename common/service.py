@@ -24,7 +24,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from common.distributed import comm_stats
 from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
 from common.lifecycle import freeze_startup_heap, install_drain_handler
-from common.metrics import ServiceMetrics, start_metrics_server
+from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_server
 from common.settings import ServiceConfig
 
 log = logging.getLogger("specsplit")
@@ -124,6 +124,7 @@ def open_front(
     if config.health_port >= 0:
         health_server, health_port = _health_only_server(config, health_servicer)
     metrics_port = start_metrics_server(config.metrics_port) if config.metrics_port >= 0 else -1
+    announce_metrics_port(metrics_port)
     server.start()
     if health_server is not None:
         health_server.start()

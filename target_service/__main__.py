@@ -12,7 +12,7 @@ from common.grpc_util import (
     read_token,
 )
 from common.logs import setup_logging
-from common.metrics import ServiceMetrics, start_metrics_server
+from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_server
 from common.service import HealthPort, model_label, serve_until_drained, service_metrics
 from common.settings import parse_config
 from common.tokenizer import load_tokenizer
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.error("--metrics-port: %s", exc)
         return 2
+    announce_metrics_port(metrics_port)
     log.info(
         "loading target model %s (tp=%d, %s, %s)", config.model, config.tp_size, config.device, config.dtype
     )
