@@ -296,72 +296,41 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
     draft_env, target_env = gpu_split(args.device, args.draft_tp_size, args.target_tp_size, args.placement)
     common = ["--device", args.device, "--dtype", dtype]
     max_batch = str(max(args.batches))
+    # The draft's flags, as a service or inside a target (--draft-local); --draft-args come last and win.
+    draft_flags = ["--model", str(draft_dir), "--max-batch-size", str(2 * max(args.batches)),
+                   "--num-speculative-tokens", str(args.k)]  # fmt: skip
     draft = start_service(
         "draft_service",
-        ["--model", str(draft_dir), *common, "--tp-size", str(args.draft_tp_size),
-         "--max-batch-size", str(2 * max(args.batches)), "--num-speculative-tokens", str(args.k),
-         *args.draft_args.split()],
+        [*draft_flags, *common, "--tp-size", str(args.draft_tp_size), *args.draft_args.split()],
         logs / f"draft-{dtype}.log",
         env=draft_env,
-    )  # fmt: skip
+    )
     draft.wait_ready(900)
-    targets = {}
-    variant = getattr(args, "variant_args", "").split()
-    for name in target_names(args.modes, getattr(args, "variant_modes", []) if variant else []):
-        mode = base_mode(name)
-        extra = [] if mode == "plain" else ["--draft-address", draft.address, "--speculation-policy", mode]
-        extra += ["--log-level", getattr(args, "target_log_level", "INFO")]
-        extra += getattr(args, "target_args", "").split()
-        extra += variant if name != mode else []
+
+    def start_target(name: str, extra: list[str]):
+        extra = [*extra, "--log-level", getattr(args, "target_log_level", "INFO"),
+                 *getattr(args, "target_args", "").split()]  # fmt: skip
         if getattr(args, "step_traces", False):
             extra += ["--step-trace", str(logs / f"target-{name}-{dtype}-steps.jsonl")]
-        targets[name] = start_service(
+        return start_service(
             "target_service",
             ["--model", str(target_dir), *common, "--tp-size", str(args.target_tp_size),
              "--num-speculative-tokens", str(args.k), "--max-batch-size", max_batch, *extra],
             logs / f"target-{name}-{dtype}.log",
             env=target_env,
         )  # fmt: skip
+
+    targets = {}
+    variant = getattr(args, "variant_args", "").split()
+    for name in target_names(args.modes, getattr(args, "variant_modes", []) if variant else []):
+        mode = base_mode(name)
+        extra = [] if mode == "plain" else ["--draft-address", draft.address, "--speculation-policy", mode]
+        targets[name] = start_target(name, extra + (variant if name != mode else []))
     local_drafts = {}
     for mode in getattr(args, "local_modes", []):  # the draft inside the target: --draft-local
         name, port = f"{mode}@local", free_port()
-        flags = [
-            "--model",
-            str(draft_dir),
-            "--max-batch-size",
-            str(2 * max(args.batches)),
-            "--num-speculative-tokens",
-            str(args.k),
-            "--metrics-port",
-            str(port),
-            *args.draft_args.split(),
-        ]
-        extra = [
-            "--draft-local",
-            " ".join(flags),
-            "--speculation-policy",
-            mode,
-            "--log-level",
-            getattr(args, "target_log_level", "INFO"),
-            *getattr(args, "target_args", "").split(),
-        ]
-        if getattr(args, "step_traces", False):
-            extra += ["--step-trace", str(logs / f"target-{name}-{dtype}-steps.jsonl")]
-        targets[name] = start_service(
-            "target_service",
-            [
-                "--model",
-                str(target_dir),
-                *common,
-                "--num-speculative-tokens",
-                str(args.k),
-                "--max-batch-size",
-                max_batch,
-                *extra,
-            ],
-            logs / f"target-{name}-{dtype}.log",
-            env=target_env,
-        )
+        local = " ".join([*draft_flags, "--metrics-port", str(port), *args.draft_args.split()])
+        targets[name] = start_target(name, ["--draft-local", local, "--speculation-policy", mode])
         local_drafts[name] = ServiceProcess("draft_service", targets[name].popen, 0, port, targets[name].log)
     for t in targets.values():
         t.wait_ready(900)

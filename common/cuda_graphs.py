@@ -91,6 +91,7 @@ class StaticStep:
             "input_ids": torch.zeros(batch, width, dtype=torch.int64, device=self.device),
             "positions": torch.arange(width, device=self.device).repeat(batch, 1),
             "slots": torch.full((batch,), self.scratch_slot, dtype=torch.int64, device=self.device),
+            "pad_positions": torch.arange(width, device=self.device).repeat(batch, 1),  # padding rows' own
         }
 
     def _capture(self, batch: int, width: int, ctx: int):
@@ -145,15 +146,13 @@ class StaticStep:
         return rows.clone() if self.copy_output else rows
 
     def _fill(self, static: dict[str, Tensor], input_ids: Tensor, positions: Tensor, slots: Tensor) -> None:
-        batch, width = input_ids.shape
+        batch = input_ids.shape[0]
         static["input_ids"][:batch].copy_(input_ids)
         static["positions"][:batch].copy_(positions)
         static["slots"][:batch].copy_(slots)
         # Rows past the real ones must write only into the scratch slot, whatever the last call left.
         static["input_ids"][batch:].zero_()
-        static["positions"][batch:].copy_(
-            torch.arange(width, device=self.device).expand_as(static["positions"][batch:])
-        )
+        static["positions"][batch:].copy_(static["pad_positions"][batch:])  # no allocation per call
         static["slots"][batch:].fill_(self.scratch_slot)
 
     @staticmethod

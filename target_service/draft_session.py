@@ -101,6 +101,8 @@ class Ask:
 class DraftSession:
     def __init__(self, link: DraftLink | None, metrics: ServiceMetrics, timeout: float):
         self.link = link
+        # The draft runs in this process (target_service/draft_local.py) and shares its GIL.
+        self.draft_in_process = bool(getattr(link, "in_process", False))
         self.metrics = metrics
         self.timeout = timeout
         self.step_no = 0
@@ -124,11 +126,6 @@ class DraftSession:
     @property
     def attached(self) -> bool:
         return self.link is not None
-
-    @property
-    def draft_in_process(self) -> bool:
-        """The draft runs in this process (target_service/draft_local.py): it shares the GIL."""
-        return getattr(self.link, "in_process", False)
 
     @property
     def connected(self) -> bool:

@@ -65,25 +65,26 @@ def test_local_draft_is_lossless_and_speculates(demo_models, tmp_path):
     assert "draft in this process: draft (greedy-local-argmax" in local.log_text()
 
 
-@pytest.mark.parametrize(
-    "extra, message",
-    [
-        (["--draft-address", "127.0.0.1:1"], "give either --draft-local or --draft-address"),
-        (["--tp-size", "2"], "--draft-local: needs --tp-size 1"),
-        (["DRAFT --max-speculative-tokens 99"], "--max-speculative-tokens: must be in [1, 64]"),
-        (["DRAFT --no-such-flag"], "unrecognized arguments: --no-such-flag"),
-        (["/nonexistent/draft"], "--draft-local: cannot load the draft model"),
-    ],
-)
-def test_bad_local_draft_flags_exit_naming_the_flag(demo_models, tmp_path, extra, message):
-    flags = "--model " + str(demo_models.draft)
-    if extra[0].startswith("DRAFT "):
-        flags, extra = flags + extra[0].removeprefix("DRAFT"), []
-    elif extra[0].startswith("/"):
-        flags, extra = "--model " + extra[0], []
+def _exit_of_target(demo_models, draft_flags: str, *extra: str) -> subprocess.CompletedProcess:
+    """A target started with --draft-local `draft_flags` (DRAFT: the demo draft's directory) and `extra`."""
+    flags = draft_flags.replace("DRAFT", str(demo_models.draft))
     cmd = [sys.executable, "-m", "target_service", "--model", str(demo_models.target), "--port", "0",
            "--metrics-port", "-1", "--draft-local", flags, *extra]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "draft_flags, extra, message",
+    [
+        ("--model DRAFT", ["--draft-address", "127.0.0.1:1"], "give either --draft-local or --draft-address"),
+        ("--model DRAFT", ["--tp-size", "2"], "--draft-local: needs --tp-size 1"),
+        ("--model DRAFT --max-speculative-tokens 99", [], "--max-speculative-tokens: must be in [1, 64]"),
+        ("--model DRAFT --no-such-flag", [], "unrecognized arguments: --no-such-flag"),
+        ("--model /nonexistent/draft", [], "--draft-local: cannot load the draft model"),
+    ],
+)
+def test_bad_local_draft_flags_exit_naming_the_flag(demo_models, draft_flags, extra, message):
+    done = _exit_of_target(demo_models, draft_flags, *extra)
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in done.stdout + done.stderr, done.stdout + done.stderr
 
@@ -93,10 +94,7 @@ def test_a_busy_draft_metrics_port_exits_naming_it(demo_models):
         busy.bind(("0.0.0.0", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        flags = f"--model {demo_models.draft} --metrics-port {port}"
-        cmd = [sys.executable, "-m", "target_service", "--model", str(demo_models.target), "--port", "0",
-               "--metrics-port", "-1", "--draft-local", flags]  # fmt: skip
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        done = _exit_of_target(demo_models, f"--model DRAFT --metrics-port {port}")
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"--draft-local: --metrics-port {port}:" in done.stdout + done.stderr, done.stdout + done.stderr
 
