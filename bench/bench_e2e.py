@@ -328,9 +328,11 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
         targets[name] = start_target(name, extra + (variant if name != mode else []))
     local_drafts = {}
     for mode in getattr(args, "local_modes", []):  # the draft inside the target: --draft-local
-        name, port = f"{mode}@local", free_port()
+        policy, _, nochain = mode.partition("-")
+        name, port = f"{policy}@local" + ("-nochain" if nochain else ""), free_port()
         local = " ".join([*draft_flags, "--metrics-port", str(port), *args.draft_args.split()])
-        targets[name] = start_target(name, ["--draft-local", local, "--speculation-policy", mode])
+        chain = ["--no-draft-chain"] if nochain else []
+        targets[name] = start_target(name, ["--draft-local", local, "--speculation-policy", policy, *chain])
         local_drafts[name] = ServiceProcess("draft_service", targets[name].popen, 0, port, targets[name].log)
     for t in targets.values():
         t.wait_ready(900)
@@ -374,13 +376,19 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
                 draft_tp_bytes_per_drafted_token=statistics.median(
                     r["draft_tp_bytes_per_drafted_token"] for r in rs),
             )  # fmt: skip
-    for mode in ("fixed", "fixed@local"):
+    for mode in ("fixed", "fixed@local-nochain", "fixed@local"):
         if mode not in row or "plain" not in row:
             continue
         f = row[mode]
         # c: one draft position (a round of k, measured on the draft) over one plain step (measured TPOT
-        # of the plain target at this batch: one token per request per step).
-        c = (f["draft_round_ms"] / k) / row["plain"]["tpot_ms"]["median"] if f["draft_round_ms"] else 0.0
+        # of the plain target at this batch: one token per request per step). A target whose rounds run
+        # chained to its verify times only its other rounds (first ones, catch-ups): its twin without
+        # chaining times the same rounds of the same draft, in the same process.
+        rounds = f["draft_round_ms"]
+        if mode == "fixed@local" and "fixed@local-nochain" in row:
+            rounds = row["fixed@local-nochain"]["draft_round_ms"]
+            f["c_from"] = "fixed@local-nochain"
+        c = (rounds / k) / row["plain"]["tpot_ms"]["median"] if rounds else 0.0
         ideal = ideal_speedup(f["mean_accepted"], k, c)
         f.update(
             cost_ratio_c=c, ideal_speedup=ideal, efficiency=f["speedup_vs_plain"] / ideal if ideal else 0.0
@@ -437,9 +445,11 @@ def main() -> int:
         help="skip the k=0 runs through the fixed target (a profile of fixed steps alone)",
     )
     ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--local-modes", nargs="*", default=[], choices=["fixed", "adaptive"],
+    ap.add_argument("--local-modes", nargs="*", default=[],
+                    choices=["fixed", "adaptive", "fixed-nochain", "adaptive-nochain"],
                     help="also run targets MODE@local whose draft runs inside them (--draft-local), "
-                         "interleaved with the others")  # fmt: skip
+                         "interleaved with the others; MODE-nochain: MODE@local-nochain, with "
+                         "--no-draft-chain")  # fmt: skip
     ap.add_argument("--placement", default="auto", choices=["auto", "colocated", "split"],
                     help="split: each service on its own GPUs; auto: split if enough")  # fmt: skip
     ap.add_argument("--draft-tp-size", type=int, default=1)
@@ -526,7 +536,7 @@ def main() -> int:
           f"prompt {args.prompt_len}, {args.repeats} interleaved repeats (median [min-max])")  # fmt: skip
     print(markdown_table(rows))
     for r in rows:
-        for mode in (m for m in r if m.endswith("@local")):
+        for mode in (m for m in r if "@local" in m):
             m = r[mode]
             t, each = m["tokens_per_s"], ", ".join(f"{x:.2f}" for x in m.get("speedup_each_repeat", []))
             eff = f", efficiency {m['efficiency']:.2f}" if "efficiency" in m else ""

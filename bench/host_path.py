@@ -64,7 +64,7 @@ class SimulatedRunner:
     def run(self, *_args, **_kwargs) -> None:
         return None
 
-    def step(self, rows, width: int, on_launched=None) -> StepResult:
+    def step(self, rows, width: int, on_launched=None, on_verified=None) -> StepResult:
         self.widths.append(width)
         if on_launched is not None:
             on_launched()

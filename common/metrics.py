@@ -181,6 +181,11 @@ class ServiceMetrics:
             "draft_ahead_hits_total",
             "Draft-ahead proposals used because the verdict matched the guess (or one of the branches).",
         )
+        self.draft_chained_rows = counter(
+            "draft_chained_rows_total",
+            "Requests whose draft round ran from the target's verify output on the GPU, launched before "
+            "the target's verdict reached the draft (--draft-local, --draft-chain).",
+        )
         self.draft_ahead_misses = counter(
             "draft_ahead_misses_total", "Draft-ahead proposals dropped because the verdict differed."
         )

@@ -42,6 +42,22 @@ CATCH_UP_WIDTHS = (4, 16, 64)
 EAGER_CATCH_UP = 512
 
 
+class ChainedRound:
+    """The result of `GreedyRounds.launch_chained`: per chained row, k drafted tokens, the two tokens the
+    round was fed and the position of the first (read once, waiting for the GPU the first time)."""
+
+    def __init__(self, out: torch.Tensor, event: torch.cuda.Event | None):
+        self._out, self._event = out, event
+        self._rows: list[list[int]] | None = None
+
+    def row(self, b: int) -> list[int]:
+        if self._rows is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._rows = self._out.tolist()
+        return self._rows[b]
+
+
 @dataclass
 class RoundOutput:
     tokens: list[list[int]]  # [B][k] target-vocab ids
@@ -364,21 +380,85 @@ class GreedyRounds:
         static["positions"].view(-1).copy_(flat[m : 2 * m])
         for i, name in enumerate(("slots", "last_index", "prefix_slots", "prefix_len")):
             static[name].copy_(flat[2 * m + i * padded : 2 * m + (i + 1) * padded])
-        key = (padded, width, k, ctx)
-        if not self.use_graphs:
-            out = self.round(static, k, ctx)[:n].tolist()
-        else:
-            if key not in self.graphs:
-                log.warning("capturing a draft round graph while serving: batch %d, width %d, k %d, "
-                            "context %d", *key)  # fmt: skip
-                self.graphs[key] = self._capture(padded, width, k, ctx)
-            graph, result, per_replay = self.graphs[key]
-            graph.replay()
-            add_comm_stats(per_replay)
-            out = result[:n].tolist()
+        out = self._replay(static, padded, width, k, ctx)[:n].tolist()
         if not r.top2:
             return out, None
         return [row[:k] for row in out], [row[k:] for row in out]
+
+    def _replay(self, static: dict[str, torch.Tensor], padded: int, width: int, k: int, ctx: int):
+        """The round on `static`'s inputs: its graph's replay (the eager round without graphs); returns the
+        [padded, k] (or [padded, 2k]) result on the device, not synchronised."""
+        if not self.use_graphs:
+            return self.round(static, k, ctx)
+        key = (padded, width, k, ctx)
+        if key not in self.graphs:
+            log.warning("capturing a draft round graph while serving: batch %d, width %d, k %d, "
+                        "context %d", *key)  # fmt: skip
+            self.graphs[key] = self._capture(padded, width, k, ctx)
+        graph, result, per_replay = self.graphs[key]
+        graph.replay()
+        add_comm_stats(per_replay)
+        return result
+
+    @torch.inference_mode()
+    def launch_chained(
+        self,
+        packed: torch.Tensor,
+        width: int,
+        index: list[int],
+        bases: list[int],
+        extras: list[int],
+        slots: list[int],
+        k: int,
+    ) -> ChainedRound:
+        """The next greedy round of some requests, fed from the target's verify output on the device and
+        launched before that output reaches the host (--draft-local: the round runs while the target
+        commits the step). No host synchronisation here.
+
+        packed [P, width + 2] int64 (the target's verify output: row i's emitted tokens, then its accepted
+        count, then the emitted count); for chained row b: index[b] its row in `packed`, bases[b] its
+        committed length before the verdict (its drafts sit at positions bases[b]..), extras[b] how many
+        of its drafted tokens' KV the draft's slot holds past the committed ones, slots[b] its slot. After
+        a accepted drafts the slot's KV is valid up to m = min(a, extra) positions past the base, so the
+        round's pending tokens are the emitted ones from m: the bonus token alone (a < extra + 1) or the
+        last accepted draft and the bonus token (width 2, last_index 1)."""
+        n = len(index)
+        padded = next(b for b in self.batch_buckets if b >= n)
+        max_len = self.runner.max_len
+        ctx_needed = max(bases) + width + k + 1
+        ctx = next((c for c in self.ctx_buckets if c >= ctx_needed), self.ctx_buckets[-1])
+        static = self._static(padded, 2)
+        info = torch.tensor([index, bases, extras, slots], dtype=torch.int64)
+        idx, base, extra, slot = info.to(self.device, non_blocking=True)
+        rows = packed[idx]  # [n, width + 2]
+        accepted = rows[:, width]
+        m = torch.minimum(accepted, extra)
+        first = rows.gather(1, m[:, None])
+        second = rows.gather(1, (m + 1).clamp(max=width - 1)[:, None])
+        second = torch.where((accepted > m)[:, None], second, 0)  # padding (past the emitted ones: -1)
+        start = base + m
+        static["input_ids"][:n] = torch.cat([first, second], dim=1)
+        static["input_ids"][n:] = 0
+        two = torch.arange(2, device=self.device)
+        static["positions"][:n] = (start[:, None] + two).clamp(max=max_len - 1)
+        static["positions"][n:] = two
+        static["last_index"][:n] = accepted - m
+        static["last_index"][n:] = 0
+        for name in ("slots", "prefix_slots"):
+            static[name][:n] = slot
+            static[name][n:] = self.scratch_slot
+        static["prefix_len"].zero_()
+        result = self._replay(static, padded, 2, k, ctx)[:n, :k]
+        # What the round was fed goes back with its tokens: the verdict that reaches the draft later must
+        # say the same (DraftState.apply_verdict checks it before it uses the round).
+        out = torch.cat([result, static["input_ids"][:n], start[:, None]], dim=1)
+        if self.device.type != "cuda":
+            return ChainedRound(out, None)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return ChainedRound(host, event)
 
 
 def tp_worker(comm: Comm, config: DraftConfig) -> TPExecutor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kv_cache import SlotTable
-from draft_service.runner import DraftRunner, RoundOutput
+from draft_service.runner import ChainedRound, DraftRunner, RoundOutput
 
 
 @dataclass
@@ -55,6 +55,9 @@ class DraftRequest:
     ahead: Proposal | None = None
     branch_base: int = 0  # committed length the branches extend
     branches: list[Branch] = field(default_factory=list)
+    # A round launched from the target's verify output before its verdict arrived (DraftState.chain):
+    # (the round, this request's row in it, committed length at launch, drafted KV past it at launch).
+    chained: tuple[ChainedRound, int, int, int] | None = None
 
 
 def common_prefix(a: list[int], b: list[int], known: int = 0) -> int:
@@ -128,6 +131,8 @@ class DraftState:
         del req.committed[start:]
         req.committed.extend(tokens)
         req.ready = None  # drafted for an older context (e.g. a step that asked this request for nothing)
+        if req.chained is not None and self._take_chained(req, start, tokens):
+            return None
         hit = self._pick_branch(req, start)
         if hit:  # the slot holds the committed sequence and the ready proposal's first tokens
             self._count_ahead(hit)
@@ -145,6 +150,62 @@ class DraftState:
         valid = min(common_prefix(req.kv_tokens, req.committed, agreed), len(req.committed) - 1)
         del req.kv_tokens[valid:]
         return hit
+
+    def chain(
+        self, reqs: dict[int, DraftRequest], rows: list[tuple[int, int, list[int]]], packed, width: int
+    ) -> int:
+        """Launches the next round of greedy requests from the target's verify output on the device
+        (`GreedyRounds.launch_chained`), before the verdict arrives; `apply_verdict` then takes it as the
+        ready proposal. rows: (row in `packed`, request id, the drafts verified there). A request takes
+        part when its slot holds its committed tokens and the verified drafts' KV as a round left it
+        (its drafts came from its last round), it has no branches or draft-ahead (the caller's stream
+        drafts none ahead), and its next round fits. Returns how many requests' rounds were launched."""
+        todo = []
+        for i, rid, drafts in rows:
+            req = reqs.get(rid)
+            if req is None or req.temperature > 0 or not drafts or req.round_k <= 0:
+                continue
+            if req.ahead is not None or req.branches:
+                continue
+            base, n = len(req.committed), len(drafts)
+            extra = len(req.kv_tokens) - base
+            held = min(extra, n)
+            if extra < n - 1 or req.kv_tokens[base - 1 : base + held] != req.committed[-1:] + drafts[:held]:
+                continue
+            if not self.fits(req, n + 2 * req.round_k + 4):
+                continue
+            todo.append((i, req, base, extra))
+        if not todo:
+            return 0
+        k = max(req.round_k for _, req, _, _ in todo)
+        launched = self.runner.rounds.launch_chained(
+            packed, width, *(list(c) for c in zip(*((i, b, e, r.slot) for i, r, b, e in todo))), k
+        )
+        for b, (_, req, base, extra) in enumerate(todo):
+            req.chained = (launched, b, base, extra)
+        return len(todo)
+
+    def _take_chained(self, req: DraftRequest, start: int, tokens: list[int]) -> bool:
+        """After a verdict: the chained round becomes the ready proposal if it was fed what the verdict
+        says (it always is, unless the target re-sent an older context); either way its KV writes are
+        accounted for."""
+        launched, b, base, extra = req.chained
+        req.chained = None
+        row = launched.row(b)
+        k = len(row) - 3
+        drafted, fed, first = row[:k], row[k : k + 2], row[k + 2]
+        accepted = len(tokens) - 1
+        m = min(accepted, extra)
+        width = accepted - m + 1
+        if start != base or first != base + m or fed[:width] != tokens[m:]:
+            # The round wrote KV from `first` on: nothing past it is known to hold what kv_tokens says.
+            del req.kv_tokens[min(first, base) :]
+            return False
+        del req.kv_tokens[base:]
+        req.kv_tokens += tokens
+        req.kv_tokens += drafted[: k - 1]
+        req.ready = Proposal(drafted)
+        return True
 
     def _count_ahead(self, hit: bool) -> None:
         self.ahead_hits += hit

@@ -18,6 +18,11 @@ class TargetConfig(ServiceConfig):
         "DIR'; device and dtype default to the target's): one GPU without the gRPC round trip between two "
         "services; the draft's metrics on its own --metrics-port (default 9401). Needs --tp-size 1",
     )
+    draft_chain: bool = flag(
+        True,
+        "with --draft-local, launch the draft's next round for greedy requests right after each verify, "
+        "fed from the verify's output on the GPU: the round runs while the host commits the step",
+    )
     num_speculative_tokens: int = flag(4, "default k per request")
     max_speculative_tokens: int = flag(8, "largest k a request may ask for")
     max_batch_size: int = flag(32, "requests verified together (= target KV slots)")

@@ -79,12 +79,33 @@ class LocalDraft(StreamLink):
             raise ValueError(f"--draft-local: --metrics-port {config.metrics_port}: {exc}") from exc
         self.draft_metrics.ready.set(1)
         self.runner = runner
+        self._stream: DraftStream | None = None  # the stream the draft's thread serves now
+        self.chaining = True  # off after a chained round failed to launch
         self._thread = threading.Thread(target=self._run, name="draft-local", daemon=True)
         log.info("draft in this process: %s (%s, %s, %d CUDA graphs), metrics port %d", self.info.model,
                  self.info.method, config.device, runner.graphs, self.metrics_port)  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
+
+    def chain(self, rows: list[tuple[int, int, list[int]]], packed, width: int, epoch: int) -> None:
+        """Launches the next draft round of `rows` ((row in `packed`, draft id, verified drafts)) from the
+        verify output `packed` on the device, before the verdict is sent (DraftState.chain). Called on the
+        scheduler's thread once the verify is queued; the draft's thread takes the round with the
+        verdict. A failure here costs the chained round only: the verdict then drafts as before."""
+        stream = self._stream
+        # A stream that drafts ahead (--draft-ahead-shared-gpu) has its next rounds from there.
+        if stream is None or stream.ahead or epoch != self.epoch or not self.connected or not self.chaining:
+            return
+        try:
+            with self.draft.engine_lock:
+                n = self.draft.state.chain(stream.reqs, rows, packed, width)
+        except Exception:  # a bug: no more chained rounds, the draft's own rounds run (output unchanged)
+            log.exception("a chained draft round failed to launch; no more chained rounds")
+            self.chaining = False
+            return
+        if n:
+            self.draft_metrics.draft_chained_rows.inc(n)
 
     def close(self) -> None:
         super().close()
@@ -102,7 +123,7 @@ class LocalDraft(StreamLink):
             if self.epoch:  # a new stream after a failed one: counted as a gRPC link counts a reconnect
                 self.metrics.draft_reconnects.inc()
             send_q = self._open_stream()
-            stream = DraftStream(self.draft, "in-process")
+            stream = self._stream = DraftStream(self.draft, "in-process")
             try:
                 for msg in iter(send_q.get, None):
                     for response in stream.handle(msg, time.perf_counter()):
@@ -113,6 +134,7 @@ class LocalDraft(StreamLink):
                 log.exception("the in-process draft failed; plain decoding, a new stream in %.1f s", backoff)
                 self._stream_ended()
             finally:
+                self._stream = None
                 stream.close()
             if self._closed.wait(backoff):
                 return

@@ -123,6 +123,14 @@ class DraftSession:
         self.verify_seconds = 0.0
         self.round_trip = 0.0
 
+    def chain(self, batch: list[Request], drafts: list[list[int]], packed, width: int) -> None:
+        """With the draft in this process: its next round for the greedy requests that verified drafts,
+        launched from the verify output `packed` on the device (LocalDraft.chain)."""
+        rows = [(i, req.draft.draft_id, d) for i, (req, d) in enumerate(zip(batch, drafts))
+                if d and req.temperature <= 0]  # fmt: skip
+        if rows and self.link is not None and self.link.epoch == self.epoch:
+            self.link.chain(rows, packed, width, self.epoch)
+
     @property
     def attached(self) -> bool:
         return self.link is not None

@@ -335,11 +335,18 @@ class TargetRunner:
     # -- rank 0 ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(
-        self, rows: list[StepRow], width: int, on_launched: Callable[[], None] | None = None
+        self,
+        rows: list[StepRow],
+        width: int,
+        on_launched: Callable[[], None] | None = None,
+        on_verified: Callable[[torch.Tensor], None] | None = None,
     ) -> StepResult:
         """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row. `on_launched`
         runs once the step's GPU work is queued, before the host waits for it; without CUDA graphs (the
-        CPU) before the forward, which computes as it is called and lets other threads run meanwhile."""
+        CPU) before the forward, which computes as it is called and lets other threads run meanwhile.
+        `on_verified(packed)` gets the step's output on the device ([P, width + 2]: each row's emitted
+        tokens, accepted count, emitted count) once its copy to the host is queued, before the host waits
+        for it: GPU work queued there (the in-process draft's next round) runs while the host commits."""
         eager = any(r.top_k or r.top_p < 1.0 or r.topk_ids for r in rows)
         before = on_launched is not None and not self.use_graphs
         if before:
@@ -363,6 +370,8 @@ class TargetRunner:
             host = self.out_host[: padded * (width + 2)].view(padded, width + 2)
             host.copy_(packed, non_blocking=True)
             self.events[1].record(self.stream)
+            if on_verified is not None:
+                on_verified(packed)
             t0 = time.perf_counter()
             self.events[1].synchronize()
             wait = time.perf_counter() - t0
@@ -371,6 +380,8 @@ class TargetRunner:
         else:
             gpu = wait = 0.0
             out = packed[:n].tolist()
+            if on_verified is not None:
+                on_verified(packed)
         tokens = [row[: row[-1]] for row in out]
         accepted = [row[-2] for row in out]
         return StepResult(tokens, accepted, gpu, logits, wait)

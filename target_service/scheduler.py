@@ -17,6 +17,7 @@ import collections
 import logging
 import threading
 import time
+from functools import partial
 
 from common.kv_cache import SlotTable
 from common.metrics import ServiceMetrics
@@ -252,7 +253,10 @@ class Scheduler:
         t2 = time.perf_counter()
         rows, drafts = self._rows(batch, proposals)
         width = max(len(d) for d in drafts) + 1
-        result = self.runner.step(rows, width, self._hand_over_tokens)  # verify
+        chain = None
+        if self.session.draft_in_process and self.config.draft_chain and width > 1:
+            chain = partial(self.session.chain, batch, drafts, width=width)
+        result = self.runner.step(rows, width, self._hand_over_tokens, chain)  # verify
         add_pending_logprobs(batch, result.logits, width, result.tokens)
         t3 = time.perf_counter()
         drafted_rows, accepted = self._commit(batch, drafts, result.tokens, result.accepted)

@@ -1,8 +1,9 @@
 """The draft in the target's own process (`--draft-local`, target_service/draft_local.py).
 
 - Through real gRPC to a real target subprocess: output equals a target with no draft, token for token,
-  and drafts were made and accepted; the draft's metrics are on their own /metrics port (role=draft)
-  and no draft message went over gRPC.
+  with the draft's rounds chained to the verify (the default) or not, and drafts were made and
+  accepted; the draft's metrics are on their own /metrics port (role=draft) and no draft message went
+  over gRPC.
 - Bad flags exit with status 2 and a message naming the flag, before or after the target's load.
 - In process: proposals equal the draft model's own greedy continuation; a failing round ends the stream
   (plain decoding, as a lost connection), and the next stream (a new epoch) drafts again.
@@ -36,17 +37,23 @@ pytestmark = pytest.mark.slow
 
 
 def test_local_draft_is_lossless_and_speculates(demo_models, tmp_path):
-    flags = f"--model {demo_models.draft} --metrics-port 0"  # a free port, named in the log
+    # A free metrics port, named in the log. No draft-ahead, as on a GPU the draft shares with the target
+    # (on the CPU the draft cannot tell): its next rounds are chained to the verify instead.
+    flags = f"--model {demo_models.draft} --metrics-port 0 --no-draft-ahead"
     local = start_target(demo_models.target, tmp_path, None, "--speculation-policy", "fixed",
                          "--draft-local", flags, name="local")  # fmt: skip
+    unchained = start_target(demo_models.target, tmp_path, None, "--speculation-policy", "fixed",
+                             "--draft-local", flags, "--no-draft-chain", name="unchained")  # fmt: skip
     plain = start_target(demo_models.target, tmp_path, None, name="plain")
-    with running(local, plain):
-        local.wait_ready()
-        plain.wait_ready()
+    with running(local, unchained, plain):
+        for t in (local, unchained, plain):
+            t.wait_ready()
         ps = prompts(12, seed=3)
         spec = generate_many(local.address, [request(p, max_new_tokens=32) for p in ps], 4)
         ref = generate_many(plain.address, [request(p, max_new_tokens=32) for p in ps], 4)
         assert_same_tokens(spec, ref)
+        other = generate_many(unchained.address, [request(p, max_new_tokens=32) for p in ps], 4)
+        assert_same_tokens(other, ref)
         drafted = sum(r.usage.drafted_tokens for r in spec)
         accepted = sum(r.usage.accepted_tokens for r in spec)
         assert all(r.usage.drafted_tokens > 0 for r in spec), "every request should have been speculated"
@@ -56,6 +63,12 @@ def test_local_draft_is_lossless_and_speculates(demo_models, tmp_path):
         port = int(re.search(r"draft in this process: .* metrics port (\d+)", local.log_text()).group(1))
         draft = ServiceProcess("draft_service", local.popen, 0, port, local.log)
         assert draft.metric("specsplit_draft_step_seconds_count", role="draft") > 0
+        # Most rounds after the first of each request ran chained to the verify (--draft-chain, default).
+        chained = draft.metric("specsplit_draft_chained_rows_total", role="draft")
+        assert chained > len(ps), chained
+        port = int(re.search(r"metrics port (\d+)", unchained.log_text()).group(1))
+        other = ServiceProcess("draft_service", unchained.popen, 0, port, unchained.log)
+        assert other.metric("specsplit_draft_chained_rows_total", role="draft") == 0
         assert draft.metric("specsplit_ready", role="draft") == 1
         assert local.metric("specsplit_draft_round_trip_seconds_count", role="target") > 0
         assert local.metric("specsplit_draft_connected") == 1
