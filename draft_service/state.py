@@ -198,8 +198,8 @@ class DraftState:
         m = min(accepted, extra)
         width = accepted - m + 1
         if start != base or first != base + m or fed[:width] != tokens[m:]:
-            # The round wrote KV from `first` on: nothing past it is known to hold what kv_tokens says.
-            del req.kv_tokens[min(first, base) :]
+            # The round wrote KV from `first` on (before it, the slot is as kv_tokens says).
+            del req.kv_tokens[first:]
             return False
         del req.kv_tokens[base:]
         req.kv_tokens += tokens
