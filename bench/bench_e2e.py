@@ -109,6 +109,8 @@ SERIES = {
     "host_n": "specsplit_step_host_seconds_count",
     "queue_sum": "specsplit_step_gpu_queue_seconds_sum",
     "queue_n": "specsplit_step_gpu_queue_seconds_count",
+    "gap_sum": "specsplit_step_gpu_gap_seconds_sum",
+    "gap_n": "specsplit_step_gpu_gap_seconds_count",
     "k_sum": "specsplit_spec_step_tokens_sum",
     "k_n": "specsplit_spec_step_tokens_count",
     "fallbacks": "specsplit_spec_fallback_steps_total",
@@ -190,6 +192,7 @@ def run_batch(service, draft, prompts: list[list[int]], n: int, k: int, ignore_e
         "step_gpu_ms": 1e3 * ratio(delta, "gpu_sum", "gpu_n"),
         "step_host_ms": 1e3 * ratio(delta, "host_sum", "host_n"),
         "step_gpu_queue_ms": 1e3 * ratio(delta, "queue_sum", "queue_n"),
+        "step_gpu_gap_ms": 1e3 * ratio(delta, "gap_sum", "gap_n"),
         "mean_k": ratio(delta, "k_sum", "k_n"),
         "draft_round_ms": 1e3 * ratio(delta, "draft_sum", "draft_n"),
         "round_trip_ms": 1e3 * ratio(delta, "rt_sum", "rt_n"),
@@ -348,6 +351,7 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
             "step_gpu_ms": statistics.median(r["step_gpu_ms"] for r in rs),
             "step_host_ms": statistics.median(r["step_host_ms"] for r in rs),
             "step_gpu_queue_ms": statistics.median(r.get("step_gpu_queue_ms", 0.0) for r in rs),
+            "step_gpu_gap_ms": statistics.median(r.get("step_gpu_gap_ms", 0.0) for r in rs),
             "verify_step_ms": statistics.median(r["verify_step_ms"] for r in rs),
             "serving_captures": sum(r["serving_captures"] for r in rs),
             "fallback_steps": sum(r["fallback_steps"] for r in rs),
@@ -536,6 +540,10 @@ def main() -> int:
           f"prompt {args.prompt_len}, {args.repeats} interleaved repeats (median [min-max])")  # fmt: skip
     print(markdown_table(rows))
     for r in rows:
+        if "plain" in r:
+            p = r["plain"]
+            print(f"plain, {r['dtype']} B={r['batch']}: GPU gap {p.get('step_gpu_gap_ms', 0):.2f} ms "
+                  f"per step, host {p['step_host_ms']:.2f} ms")  # fmt: skip
         for mode in (m for m in r if "@local" in m):
             m = r[mode]
             t, each = m["tokens_per_s"], ", ".join(f"{x:.2f}" for x in m.get("speedup_each_repeat", []))
@@ -543,7 +551,8 @@ def main() -> int:
             print(f"{mode} (draft in the target), {r['dtype']} B={r['batch']}: {t['median']:.0f} "
                   f"[{t['min']:.0f}-{t['max']:.0f}] tok/s, / plain: {each}; round trip "
                   f"{m['round_trip_ms']:.2f} ms, draft round {m['draft_round_ms']:.2f} ms, host "
-                  f"{m['step_host_ms']:.2f} ms, mean k {m['mean_k']:.2f}{eff}")  # fmt: skip
+                  f"{m['step_host_ms']:.2f} ms, GPU gap {m['step_gpu_gap_ms']:.2f} ms, mean k "
+                  f"{m['mean_k']:.2f}{eff}")  # fmt: skip
         for mode in (m for m in r if m.endswith("+v")):
             t, base = r[mode]["tokens_per_s"], r[base_mode(mode)]["tokens_per_s"]["runs"]
             each = ", ".join(f"{a / b:.2f}" for a, b in zip(t["runs"], base))

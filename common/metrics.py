@@ -125,7 +125,10 @@ class ServiceMetrics:
             "queue_time_seconds", "Request arrival to admission into the running batch.", REQUEST_BUCKETS
         )
         self.draft_step = histogram(
-            "draft_step_seconds", "One draft proposal step for the batch (k positions).", STEP_BUCKETS
+            "draft_step_seconds",
+            "One draft proposal step for the batch (k positions); for a round chained to the target's "
+            "verify (--draft-local), its GPU time (no host waits for it).",
+            STEP_BUCKETS,
         )
         self.draft_handle = histogram(
             "draft_handle_seconds",
@@ -150,6 +153,15 @@ class ServiceMetrics:
         self.step_host = histogram(
             "step_host_seconds",
             "Host time of one target step: wall time not spent waiting for the GPU or the draft.",
+            STEP_BUCKETS,
+        )
+        self.step_gpu_gap = histogram(
+            "step_gpu_gap_seconds",
+            "GPU time between two target steps with none of their work queued: from the end of one step's "
+            "GPU work (its verify, and the draft round chained to it with --draft-local) to the start of "
+            "the next step's verify, on the target's stream (CUDA events). With the draft in the target "
+            "and its rounds chained, the step's wall time minus the GPU's busy time. Steps after a "
+            "prefill are not observed.",
             STEP_BUCKETS,
         )
         self.step_gpu_queue = histogram(

@@ -46,14 +46,17 @@ class ChainedRound:
     """The result of `GreedyRounds.launch_chained`: per chained row, k drafted tokens, the two tokens the
     round was fed and the position of the first (read once, waiting for the GPU the first time)."""
 
-    def __init__(self, out: torch.Tensor, event: torch.cuda.Event | None):
-        self._out, self._event = out, event
+    def __init__(self, out: torch.Tensor, events: tuple[torch.cuda.Event, torch.cuda.Event] | None):
+        self._out, self._events = out, events
         self._rows: list[list[int]] | None = None
+        self.gpu_seconds: float | None = None  # the round's GPU time, once read (CUDA only)
+        self.timed = False  # its GPU time went to the draft's round metric
 
     def row(self, b: int) -> list[int]:
         if self._rows is None:
-            if self._event is not None:
-                self._event.synchronize()
+            if self._events is not None:
+                self._events[1].synchronize()
+                self.gpu_seconds = self._events[0].elapsed_time(self._events[1]) / 1e3
             self._rows = self._out.tolist()
         return self._rows[b]
 
@@ -423,6 +426,10 @@ class GreedyRounds:
         round's pending tokens are the emitted ones from m: the bonus token alone (a < extra + 1) or the
         last accepted draft and the bonus token (width 2, last_index 1)."""
         n = len(index)
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record(torch.cuda.current_stream(self.device))
         padded = next(b for b in self.batch_buckets if b >= n)
         max_len = self.runner.max_len
         ctx_needed = max(bases) + width + k + 1
@@ -452,13 +459,12 @@ class GreedyRounds:
         # What the round was fed goes back with its tokens: the verdict that reaches the draft later must
         # say the same (DraftState.apply_verdict checks it before it uses the round).
         out = torch.cat([result, static["input_ids"][:n], start[:, None]], dim=1)
-        if self.device.type != "cuda":
+        if events is None:
             return ChainedRound(out, None)
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
         host.copy_(out, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return ChainedRound(host, event)
+        events[1].record(torch.cuda.current_stream(self.device))
+        return ChainedRound(host, events)
 
 
 def tp_worker(comm: Comm, config: DraftConfig) -> TPExecutor:

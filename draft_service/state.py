@@ -86,6 +86,7 @@ class DraftState:
         self.ahead_misses = 0
         self.draft_tokens = 0
         self.round_ran = False  # whether the last propose() ran the model (not only ready proposals)
+        self.chained_seconds: list[float] = []  # GPU times of chained rounds taken since last read
 
     def start(
         self, request_id: int, tokens: list[int], k: int, temperature: float, seed: int
@@ -192,6 +193,9 @@ class DraftState:
         launched, b, base, extra = req.chained
         req.chained = None
         row = launched.row(b)
+        if not launched.timed and launched.gpu_seconds is not None:
+            launched.timed = True
+            self.chained_seconds.append(launched.gpu_seconds)
         k = len(row) - 3
         drafted, fed, first = row[:k], row[k : k + 2], row[k + 2]
         accepted = len(tokens) - 1

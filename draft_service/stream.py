@@ -166,6 +166,10 @@ class DraftStream:
         t0 = time.perf_counter()
         proposals = state.propose(targets, [k for _, k in asked]) if targets else {}
         elapsed = time.perf_counter() - t0
+        # Rounds chained to the target's verify (DraftState.chain) ran before this message: their GPU time.
+        for seconds in state.chained_seconds:
+            metrics.draft_step.observe(seconds)
+        state.chained_seconds.clear()
         if targets:
             if state.round_ran:  # a round of the model, not only proposals drafted ahead
                 metrics.draft_step.observe(elapsed)

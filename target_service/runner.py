@@ -67,6 +67,9 @@ class StepResult:
     # Seconds the host blocked until the step's GPU work was done: about gpu_seconds plus the time that
     # work queued behind other work on the GPU, such as a colocated draft's kernels (0 on the CPU).
     wait_seconds: float = 0.0
+    # GPU time from the end of the previous step's GPU work (what `on_verified` queued included) to the
+    # start of this step's (0 on the CPU, or for the first step): the GPU idle between the two.
+    gap_seconds: float = 0.0
 
 
 class StepBuffers:
@@ -206,6 +209,14 @@ class TargetRunner:
             if self.device.type == "cuda"
             else None
         )
+        # The end of each step's GPU work, two in turn: the gap to the next step's start is measured once
+        # that step is done.
+        self.step_ends = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            if self.device.type == "cuda"
+            else None
+        )
+        self.steps_ended = 0
         # The stream the steps run on, looked up once: `Event.record()` without one finds the current
         # stream through torch.cuda.is_available() and an environment read, 13 % of the scheduler
         # thread's GIL samples at B=1 in the H200 profile (docs/benchmarks.md, tenth session).
@@ -372,19 +383,24 @@ class TargetRunner:
             self.events[1].record(self.stream)
             if on_verified is not None:
                 on_verified(packed)
+            ended = self.steps_ended
+            self.step_ends[ended % 2].record(self.stream)
+            self.steps_ended += 1
             t0 = time.perf_counter()
             self.events[1].synchronize()
             wait = time.perf_counter() - t0
             gpu = self.events[0].elapsed_time(self.events[1]) / 1e3
+            # The previous step's end came before this step's start on the stream: both are done.
+            gap = self.step_ends[(ended - 1) % 2].elapsed_time(self.events[0]) / 1e3 if ended else 0.0
             out = host[:n].tolist()
         else:
-            gpu = wait = 0.0
+            gpu = wait = gap = 0.0
             out = packed[:n].tolist()
             if on_verified is not None:
                 on_verified(packed)
         tokens = [row[: row[-1]] for row in out]
         accepted = [row[-2] for row in out]
-        return StepResult(tokens, accepted, gpu, logits, wait)
+        return StepResult(tokens, accepted, gpu, logits, wait, gap)
 
     def _verify_eager(self, rows: list[StepRow], logits: torch.Tensor, padded: int, width: int):
         buf = self._buffers(padded, width)

@@ -413,6 +413,8 @@ class Scheduler:
             self.metrics.step_gpu.observe(result.gpu_seconds)
             self.metrics.step_host.observe(max(0.0, (t4 - t0) - (t2 - t1) - result.wait_seconds))
             self.metrics.step_gpu_queue.observe(max(0.0, result.wait_seconds - result.gpu_seconds))
+            if not started and result.gap_seconds:  # no prefill ran since the last step
+                self.metrics.step_gpu_gap.observe(result.gap_seconds)
         self.steps += 1
         if self.trace is not None:
             gate = self.policy.gate.mode(len(batch)) if self.policy.gate is not None else None
