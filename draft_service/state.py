@@ -173,12 +173,15 @@ class DraftState:
             held = min(extra, n)
             if extra < n - 1 or req.kv_tokens[base - 1 : base + held] != req.committed[-1:] + drafts[:held]:
                 continue
-            if not self.fits(req, n + 2 * req.round_k + 4):
+            if not self.fits(req, n + 2 * req.k + 4):
                 continue
             todo.append((i, req, base, extra))
         if not todo:
             return 0
-        k = max(req.round_k for _, req, _, _ in todo)
+        # Each request's own k, not the last round's: the target's next step may ask any k up to it (the
+        # adaptive policy), and a ready proposal shorter than that is dropped for a round of its own, which
+        # then counts against the larger k in the policy's step timings.
+        k = max(req.k for _, req, _, _ in todo)
         launched = self.runner.rounds.launch_chained(
             packed, width, *(list(c) for c in zip(*((i, b, e, r.slot) for i, r, b, e in todo))), k
         )

@@ -56,10 +56,12 @@ def test_chained_rounds_propose_what_the_draft_would_have(demo_models, device):
     props_p = plain.propose(reqs_p)
     props_c = chained.propose(reqs_c)
     assert props_p == props_c
-    # Accepted counts per step and request: none, some, all (width 2 rows), and mixed batches.
-    schedule = [(0, 4), (4, 4), (2, 0), (4, 1), (3, 4), (1, 2), (4, 4)]
-    for accepted in schedule:
+    # Accepted counts per step and request: none, some, all (width 2 rows), and mixed batches; then the
+    # k the target asks next (an adaptive target's, below the requests' k and back up).
+    schedule = [((0, 4), K), ((4, 4), 2), ((2, 0), K), ((1, 2), 1), ((1, 1), 3), ((3, 4), K), ((4, 4), K)]
+    for accepted, asked in schedule:
         proposals = [props_p[r.request_id].tokens for r in reqs_p]
+        accepted = [min(a, len(p)) for a, p in zip(accepted, proposals)]
         emitted = [_verdict(p, a, vocab) for p, a in zip(proposals, accepted)]
         starts = [len(r.committed) for r in reqs_c]
         by_id = {r.request_id: r for r in reqs_c}
@@ -68,16 +70,18 @@ def test_chained_rounds_propose_what_the_draft_would_have(demo_models, device):
         for rp, rc, start, e in zip(reqs_p, reqs_c, starts, emitted):
             assert plain.apply_verdict(rp, start, e) is None
             assert chained.apply_verdict(rc, start, e) is None
-        props_p = plain.propose(reqs_p)
+        props_p = plain.propose(reqs_p, [asked] * len(reqs_p))
         assert plain.round_ran
-        props_c = chained.propose(reqs_c)
+        props_c = chained.propose(reqs_c, [asked] * len(reqs_c))
         assert not chained.round_ran, "the chained round should have been the proposal"
         assert {i: p.tokens for i, p in props_c.items()} == {i: p.tokens for i, p in props_p.items()}
-        assert all(len(p.tokens) == K for p in props_c.values()), "drafts were made"
-        # The slot's bookkeeping differs only in draft tokens past the next round's pending ones.
+        assert all(len(p.tokens) == asked for p in props_c.values()), "drafts were made"
         for rp, rc in zip(reqs_p, reqs_c):
             assert rc.committed == rp.committed
-            assert rc.kv_tokens == rp.kv_tokens
+            # The chained round drafted each request's own k: its slot holds as many drafts' KV as a
+            # round of k leaves, the first of them those of the proposal.
+            assert rc.kv_tokens[: len(rp.kv_tokens)] == rp.kv_tokens
+            assert len(rc.kv_tokens) == len(rc.committed) + K - 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
