@@ -112,9 +112,9 @@ def test_a_busy_draft_metrics_port_exits_naming_it(demo_models):
     assert f"--draft-local: --metrics-port {port}:" in done.stdout + done.stderr, done.stdout + done.stderr
 
 
-def _local(demo_models, registry: CollectorRegistry) -> LocalDraft:
-    target = parse_config(TargetConfig, ["--model", str(demo_models.target), "--draft-local",
-                                         f"--model {demo_models.draft} --metrics-port -1"], "t")  # fmt: skip
+def _local(demo_models, registry: CollectorRegistry, *flags: str) -> LocalDraft:
+    draft = " ".join([f"--model {demo_models.draft} --metrics-port -1", *flags])
+    target = parse_config(TargetConfig, ["--model", str(demo_models.target), "--draft-local", draft], "t")
     metrics = ServiceMetrics("target", "t", registry)
     return LocalDraft(local_draft_config(target), metrics, 512, [])
 
@@ -165,5 +165,31 @@ def test_local_draft_proposes_its_greedy_continuation_and_survives_a_failed_roun
         labels = {"role": "target", "model": "t"}
         assert registry.get_sample_value("specsplit_draft_reconnects_total", labels) == 1
         assert registry.get_sample_value("specsplit_draft_connected", labels) == 1
+    finally:
+        link.close()
+
+
+def test_a_chained_round_that_fails_to_launch_turns_chaining_off(demo_models, caplog):
+    """A chained round that raises (a bug) must cost only the chaining: the request keeps no half-made
+    chained round, its verdict then drafts as before, and no later step tries again."""
+    link = _local(demo_models, CollectorRegistry(), "--no-draft-ahead")
+    link.start()
+    try:
+        ids = prompts(1, seed=9)[0]
+        assert link.wait_connected(5)
+        assert link.send(_ask(1, 21, ids, 4), link.epoch)
+        answer = link.receive(1, link.epoch, time.perf_counter() + 30)
+        drafts = list(answer.proposals[0].token_ids)
+        assert link._stream is not None and not link._stream.ahead  # no draft-ahead: it would not chain
+        bad = torch.zeros(1, 2, dtype=torch.int64)  # not [rows, width + 2] for a width of 5
+        link.chain([(0, 21, drafts)], bad, len(drafts) + 1, link.epoch)
+        assert not link.chaining and "no more chained rounds" in caplog.text
+        assert link._stream.reqs[21].chained is None
+        # The verdict drafts with a round of its own, as without chaining.
+        verdict = draft_pb2.SpeculateRequest(step=2, propose=[21], propose_k=[4])
+        verdict.verdicts.add(request_id=21, start=len(ids), token_ids=[*drafts[:1], (drafts[1] + 1) % 512])
+        assert link.send(verdict, link.epoch)
+        answer = link.receive(2, link.epoch, time.perf_counter() + 30)
+        assert answer is not None and len(answer.proposals[0].token_ids) == 4
     finally:
         link.close()
