@@ -418,13 +418,14 @@ class GreedyRounds:
         launched before that output reaches the host (--draft-local: the round runs while the target
         commits the step). No host synchronisation here.
 
-        packed [P, width + 2] int64 (the target's verify output: row i's emitted tokens, then its accepted
-        count, then the emitted count); for chained row b: index[b] its row in `packed`, bases[b] its
-        committed length before the verdict (its drafts sit at positions bases[b]..), extras[b] how many
-        of its drafted tokens' KV the draft's slot holds past the committed ones, slots[b] its slot. After
+        packed [P, width + 2] int32 or int64 (the target's verify output: row i's emitted tokens, -1 past
+        them, then its accepted count, then the emitted count); for chained row b: index[b] its row in
+        `packed`, bases[b] its committed length before the verdict (its drafts sit at positions
+        bases[b]..), extras[b] how many of its drafted tokens' KV the draft's slot holds past the committed
+        ones, slots[b] its slot. After
         a accepted drafts the slot's KV is valid up to m = min(a, extra) positions past the base, so the
-        round's pending tokens are the emitted ones from m: the bonus token alone (a < extra + 1) or the
-        last accepted draft and the bonus token (width 2, last_index 1)."""
+        round's pending tokens are the emitted ones from m: the bonus token alone (a <= extra) or the
+        last accepted draft and the bonus token (a = extra + 1: width 2, last_index 1)."""
         n = len(index)
         events = None
         if self.device.type == "cuda":
