@@ -59,11 +59,11 @@ class BatchRunner(SimulatedRunner):
         super().__init__(alpha)
         self.scale, self.noise = scale, noise
 
-    def step(self, rows, width, on_launched=None):
+    def step(self, rows, width, on_launched=None, on_verified=None):
         b = len(rows)
         self.step_seconds = at(PLAIN, b) * self.scale * 1e-3 * self.rng.lognormvariate(0.0, self.noise)
         self.per_position = at(PER_POSITION, b) * self.scale * 1e-3
-        return super().step(rows, width, on_launched)
+        return super().step(rows, width, on_launched, on_verified)
 
 
 class BatchDraft(SimulatedDraft):

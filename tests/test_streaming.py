@@ -110,9 +110,9 @@ def test_a_steps_tokens_reach_the_streamer_once_the_next_step_is_launched(monkey
     seen: list[tuple[int, int]] = []  # hand-offs so far at each step's call, and once it launched
 
     class Recording(SimulatedRunner):
-        def step(self, rows, width, on_launched=None):
+        def step(self, rows, width, on_launched=None, on_verified=None):
             before = len(handed)
-            result = super().step(rows, width, on_launched)
+            result = super().step(rows, width, on_launched, on_verified)
             seen.append((before, len(handed)))
             return result
 
