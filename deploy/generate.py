@@ -153,12 +153,13 @@ ROWS: list[tuple[str, list[dict]]] = [
               + quantiles("specsplit_verify_step_seconds", SEL)),
         panel("Target-draft round trip", "s", quantiles("specsplit_draft_round_trip_seconds", TARGET),
               "Draft request sent to proposal received, seen from the target."),
-        panel("Target step: GPU, host, GPU queue (mean)", "s",
+        panel("Target step: GPU, host, GPU queue, GPU gap (mean)", "s",
               [(per(f"specsplit_step_{part}_seconds_sum", TARGET, f"specsplit_step_{part}_seconds_count",
-                    TARGET), f"{part} {{{{model}}}}") for part in ("gpu", "host", "gpu_queue")],
+                    TARGET), f"{part} {{{{model}}}}") for part in ("gpu", "host", "gpu_queue", "gpu_gap")],
               "Per verify step on a GPU: the replay's GPU time; host work (the step's wall time minus its "
-              "waits for the draft and the GPU); and the wait beyond its own GPU time, its kernels queued "
-              "behind others on the GPU (a draft on the same GPU)."),
+              "waits for the draft and the GPU); the wait beyond its own GPU time, its kernels queued "
+              "behind others on the GPU (a draft on the same GPU); and the GPU's idle time between two "
+              "steps (with the draft in the target and its rounds chained: wall time minus GPU busy)."),
         panel("Draft tokens asked per request (policy k)", "short", [
             (per("specsplit_spec_step_tokens_sum", TARGET, "specsplit_spec_step_tokens_count", TARGET),
              "mean k {{model}}"),
@@ -166,6 +167,11 @@ ROWS: list[tuple[str, list[dict]]] = [
                  "specsplit_spec_step_tokens_count", TARGET), "plain step share {{model}}"),
         ], "The speculation policy's k per step (--speculation-policy adaptive lowers it to 0 where "
            "drafting does not pay), and the share of steps with k = 0."),
+        panel("Draft rounds chained to the verify", "percentunit",
+              [(per("specsplit_draft_chained_rows_total", MODEL, DRAFTS, MODEL), "chained {{model}}")],
+              "With the draft inside the target (--draft-local): the share of the draft's proposals whose "
+              "round ran from the target's verify output on the GPU (--draft-chain), before the verdict "
+              "reached the draft. Near 1 for greedy traffic; 0 with --no-draft-chain or a draft service."),
     ]),
     ("Load", [
         panel("Running and waiting requests", "short", [
