@@ -229,6 +229,7 @@ class GreedyRounds:
         self.batch_buckets = buckets(max_rows)
         self.ctx_buckets = buckets(runner.max_len, min(256, runner.max_len))
         self.widths = (1, 2)
+        self.pair = torch.arange(2, device=self.device)  # a chained round's two positions, past its start
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -447,9 +448,8 @@ class GreedyRounds:
         start = base + m
         static["input_ids"][:n] = torch.cat([first, second], dim=1)
         static["input_ids"][n:] = 0
-        two = torch.arange(2, device=self.device)
-        static["positions"][:n] = (start[:, None] + two).clamp(max=max_len - 1)
-        static["positions"][n:] = two
+        static["positions"][:n] = (start[:, None] + self.pair).clamp(max=max_len - 1)
+        static["positions"][n:] = self.pair
         static["last_index"][:n] = accepted - m
         static["last_index"][n:] = 0
         for name in ("slots", "prefix_slots"):

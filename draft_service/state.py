@@ -182,8 +182,9 @@ class DraftState:
         # adaptive policy), and a ready proposal shorter than that is dropped for a round of its own, which
         # then counts against the larger k in the policy's step timings.
         k = max(req.k for _, req, _, _ in todo)
+        index, members, bases, extras = (list(c) for c in zip(*todo))
         launched = self.runner.rounds.launch_chained(
-            packed, width, *(list(c) for c in zip(*((i, b, e, r.slot) for i, r, b, e in todo))), k
+            packed, width, index, bases, extras, [r.slot for r in members], k
         )
         for b, (_, req, base, extra) in enumerate(todo):
             req.chained = (launched, b, base, extra)

@@ -319,3 +319,32 @@ def test_step_trace_summary_splits_a_batch_into_fill_full_and_tail(tmp_path):
     assert parts["full plain"] == dict(steps=1, tok=4, ms=1.6)
     assert parts["tail plain"] == dict(steps=1, tok=2, ms=1.6)
     assert parts["all"]["steps"] == 5 and parts["all"]["tok"] == 30
+
+
+def test_the_gpu_gap_is_observed_only_for_steps_no_prefill_preceded():
+    """specsplit_step_gpu_gap_seconds: the GPU time between two steps (StepResult.gap_seconds, CUDA events)
+    is host and draft time unless a prefill ran in between (a step that started requests): those steps are
+    left out, the others observed as measured."""
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics import ServiceMetrics
+    from target_service.config import TargetConfig
+    from target_service.runner import StepResult
+    from target_service.scheduler import Scheduler
+
+    registry = CollectorRegistry()
+    metrics = ServiceMetrics("target", "gap", registry=registry)
+    config = TargetConfig(model="none", max_batch_size=8, speculation_policy="fixed")
+    sched = Scheduler(SimulatedRunner(), config, metrics, SimulatedDraft(), frozenset())
+    labels = {"role": "target", "model": "gap"}
+
+    def account(started: int, gap: float) -> None:
+        result = StepResult([[1]] * 8, [0] * 8, 2e-3, None, 2e-3, gap)
+        sched._account([object()] * 8, 5, result, started, 0.0, 0, 0, 0, 3e-3)
+
+    account(0, 4e-4)
+    account(3, 9e-3)  # a prefill before it: not observed
+    account(0, 6e-4)
+    count = registry.get_sample_value("specsplit_step_gpu_gap_seconds_count", labels)
+    total = registry.get_sample_value("specsplit_step_gpu_gap_seconds_sum", labels)
+    assert count == 2 and total == pytest.approx(1e-3)
