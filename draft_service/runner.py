@@ -51,6 +51,12 @@ class ChainedRound:
         self._rows: list[list[int]] | None = None
         self.gpu_seconds: float | None = None  # the round's GPU time, once read (CUDA only)
         self.timed = False  # its GPU time went to the draft's round metric
+        self.index: dict[int, int] = {}  # request id -> its row (DraftState.chain)
+        self.k = 0  # tokens drafted per row
+
+    def tokens(self, request_id: int, n: int) -> list[int]:
+        """The first n tokens drafted for a request of the round (waiting for the GPU the first time)."""
+        return self.row(self.index[request_id])[: min(n, self.k)]
 
     def row(self, b: int) -> list[int]:
         if self._rows is None:

@@ -154,13 +154,14 @@ class DraftState:
 
     def chain(
         self, reqs: dict[int, DraftRequest], rows: list[tuple[int, int, list[int]]], packed, width: int
-    ) -> int:
+    ) -> ChainedRound | None:
         """Launches the next round of greedy requests from the target's verify output on the device
         (`GreedyRounds.launch_chained`), before the verdict arrives; `apply_verdict` then takes it as the
         ready proposal. rows: (row in `packed`, request id, the drafts verified there). A request takes
         part when its slot holds its committed tokens and the verified drafts' KV as a round left it
         (its drafts came from its last round), it has no branches or draft-ahead (the caller's stream
-        drafts none ahead), and its next round fits. Returns how many requests' rounds were launched."""
+        drafts none ahead), and its next round fits. Returns the round launched (None: no request could
+        take part); its `index` names the requests in it."""
         todo = []
         for i, rid, drafts in rows:
             req = reqs.get(rid)
@@ -177,7 +178,7 @@ class DraftState:
                 continue
             todo.append((i, req, base, extra))
         if not todo:
-            return 0
+            return None
         # Each request's own k, not the last round's: the target's next step may ask any k up to it (the
         # adaptive policy), and a ready proposal shorter than that is dropped for a round of its own, which
         # then counts against the larger k in the policy's step timings.
@@ -188,7 +189,9 @@ class DraftState:
         )
         for b, (_, req, base, extra) in enumerate(todo):
             req.chained = (launched, b, base, extra)
-        return len(todo)
+            launched.index[req.request_id] = b
+        launched.k = k
+        return launched
 
     def _take_chained(self, req: DraftRequest, start: int, tokens: list[int]) -> bool:
         """After a verdict: the chained round becomes the ready proposal if it was fed what the verdict

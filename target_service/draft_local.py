@@ -26,7 +26,7 @@ from common.service import model_label, service_metrics
 from common.settings import parse_config
 from common.tp_executor import rank_device, tp_gpu_uuids
 from draft_service.config import DraftConfig
-from draft_service.runner import DraftRunner
+from draft_service.runner import ChainedRound, DraftRunner
 from draft_service.server import DraftServicer
 from draft_service.state import DraftState
 from draft_service.stream import DraftStream
@@ -35,6 +35,11 @@ from target_service.config import TargetConfig
 from target_service.draft_link import StreamLink
 
 log = logging.getLogger("specsplit.target")
+
+# A held ask (see LocalDraft.send) is handled after at most this long even if the target never says so.
+HOLD_SECONDS = 0.05
+# A chained round waits at most this long for the draft's thread to apply the verdicts sent before it.
+HANDLED_SECONDS = 1.0
 
 
 def local_draft_config(target: TargetConfig) -> DraftConfig:
@@ -81,6 +86,17 @@ class LocalDraft(StreamLink):
         self.runner = runner
         self._stream: DraftStream | None = None  # the stream the draft's thread serves now
         self.chaining = True  # off after a chained round failed to launch
+        self.chained: ChainedRound | None = None  # the latest chained round, until the next ask takes it
+        self.chained_epoch = 0
+        # Steps of the messages sent and of those the draft's thread has handled, and the one ask held
+        # back (`send`): the target drafts from a chained round without waiting for the answer
+        # (DraftSession), and the draft applies that ask's verdicts once the next verify is launched, not
+        # while the scheduler launches it (both threads would want the GIL then).
+        self._handled = threading.Condition()
+        self._handled_step = self._sent_step = 0
+        self._held_step = -1
+        self._held = threading.Event()
+        self._held.set()
         self._thread = threading.Thread(target=self._run, name="draft-local", daemon=True)
         log.info("draft in this process: %s (%s, %s, %d CUDA graphs), metrics port %d", self.info.model,
                  self.info.method, config.device, runner.graphs, self.metrics_port)  # fmt: skip
@@ -88,27 +104,69 @@ class LocalDraft(StreamLink):
     def start(self) -> None:
         self._thread.start()
 
+    def send(self, msg: draft_pb2.SpeculateRequest, epoch: int, hold: bool = False) -> bool:
+        """Queues one step's message. `hold`: its answer is not wanted (the target drafts from the chained
+        round, `take_chained`), and the draft's thread handles it once the target next calls
+        `chain`, `send` or `receive` (or after HOLD_SECONDS)."""
+        self.release()
+        if hold:
+            self._held.clear()
+            self._held_step = msg.step
+        sent = super().send(msg, epoch)
+        if sent:
+            self._sent_step = msg.step
+        elif hold:
+            self.release()
+        return sent
+
+    def receive(self, step, epoch, deadline, on_branches=None):
+        self.release()
+        return super().receive(step, epoch, deadline, on_branches)
+
+    def release(self) -> None:
+        """The held ask may be handled now."""
+        self._held.set()
+
+    def take_chained(self, epoch: int) -> ChainedRound | None:
+        """The round chained to the latest verify, once (None: none, or of an older stream)."""
+        launched, self.chained = self.chained, None
+        return launched if launched is not None and self.chained_epoch == epoch == self.epoch else None
+
     def chain(self, rows: list[tuple[int, int, list[int]]], packed, width: int, epoch: int) -> None:
         """Launches the next draft round of `rows` ((row in `packed`, draft id, verified drafts)) from the
         verify output `packed` on the device, before the verdict is sent (DraftState.chain). Called on the
         scheduler's thread once the verify is queued; the draft's thread takes the round with the
         verdict. A failure here costs the chained round only: the verdict then drafts as before."""
+        self.release()
+        self.chained = None
         stream = self._stream
         # A stream that drafts ahead (--draft-ahead-shared-gpu) has its next rounds from there.
         if stream is None or stream.ahead or epoch != self.epoch or not self.connected or not self.chaining:
             return
+        # The round starts from the state the verdicts sent so far leave (a held ask's among them): the
+        # draft's thread applies them while the GPU verifies.
+        sent = self._sent_step
+        with self._handled:
+            caught_up = self._handled.wait_for(
+                lambda: self._handled_step >= sent or epoch != self.epoch or not self.connected,
+                HANDLED_SECONDS,
+            )
+        if not caught_up or epoch != self.epoch or not self.connected or self._stream is not stream:
+            return
         try:
             with self.draft.engine_lock:
-                n = self.draft.state.chain(stream.reqs, rows, packed, width)
+                launched = self.draft.state.chain(stream.reqs, rows, packed, width)
         except Exception:  # a bug: no more chained rounds, the draft's own rounds run (output unchanged)
             log.exception("a chained draft round failed to launch; no more chained rounds")
             self.chaining = False
             return
-        if n:
-            self.draft_metrics.draft_chained_rows.inc(n)
+        if launched is not None:
+            self.chained, self.chained_epoch = launched, epoch
+            self.draft_metrics.draft_chained_rows.inc(len(launched.index))
 
     def close(self) -> None:
         super().close()
+        self.release()
         self.draft_metrics.ready.set(0)
         if self._thread.is_alive():
             self._thread.join(timeout=10)
@@ -126,8 +184,15 @@ class LocalDraft(StreamLink):
             stream = self._stream = DraftStream(self.draft, "in-process")
             try:
                 for msg in iter(send_q.get, None):
+                    held = msg.step == self._held_step
+                    if held:
+                        self._held.wait(HOLD_SECONDS)
                     for response in stream.handle(msg, time.perf_counter()):
-                        self._recv_q.put(response)
+                        if not held:  # a held ask's answer is not wanted
+                            self._recv_q.put(response)
+                    with self._handled:
+                        self._handled_step = msg.step
+                        self._handled.notify_all()
                     backoff = 0.1
                 return  # closed
             except Exception:  # the target must survive its draft
@@ -136,6 +201,8 @@ class LocalDraft(StreamLink):
             finally:
                 self._stream = None
                 stream.close()
+                with self._handled:  # a chained round waiting on this stream gives up
+                    self._handled.notify_all()
             if self._closed.wait(backoff):
                 return
             backoff = min(backoff * 2, 10.0)

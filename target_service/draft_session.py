@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.metrics import ServiceMetrics
+from draft_service.runner import ChainedRound
 from specsplit.v1 import draft_pb2
 from target_service.draft_link import DraftLink
 from target_service.request import Request
@@ -96,6 +97,9 @@ class Ask:
     # No starts and no verdict longer than a round: the draft's answer time is a round's cost, not a
     # prefill's or a catch-up's (after plain steps), so the speculation policy may learn from it.
     steady: bool = True
+    # The draft's round chained to the last verify (draft in this process), drafting for every asked
+    # request: its tokens are the answer's, read from the round without waiting for the draft's thread.
+    chained: ChainedRound | None = None
 
 
 class DraftSession:
@@ -201,6 +205,9 @@ class DraftSession:
             return
         if link.epoch != self.epoch:
             self._new_epoch(link.epoch, batch)
+        # The round chained to the verify just committed drafts for the next step; any later ask is for
+        # another context (after a plain step, say) and must not take it.
+        chained = link.take_chained(self.epoch) if self.draft_in_process else None
         ks = {}
         want = []
         # A plain step (k = 0) asks for nothing unless a request pins its k: no per-request pass then. At
@@ -217,10 +224,14 @@ class DraftSession:
                 link.send(self._message([], {}), self.epoch)
             return
         msg = self._message(want, ks)
-        if link.send(msg, self.epoch):
+        if chained is not None and (msg.starts or any(rid not in chained.index for rid in ks)):
+            chained = None
+        # An ask the chained round answers is held back on the draft's side (LocalDraft.send).
+        sent = link.send(msg, self.epoch, hold=True) if chained is not None else link.send(msg, self.epoch)
+        if sent:
             longest = max(ks.values()) + 1
             steady = not msg.starts and all(len(v.token_ids) <= longest for v in msg.verdicts)
-            self.inflight.append(Ask(msg.step, self.epoch, time.perf_counter(), ks, steady))
+            self.inflight.append(Ask(msg.step, self.epoch, time.perf_counter(), ks, steady, chained))
         else:
             self.metrics.fallback_steps.inc()
 
@@ -297,9 +308,27 @@ class DraftSession:
         verify = self.verify_seconds
         return (hits * tokens + missed) * (verify + wait) >= (hits + missed) * tokens * verify
 
+    def _from_chained(self, ask: Ask) -> dict[int, Proposal] | None:
+        """The proposals of an ask the round chained to the last verify answers: read from the round once
+        the GPU has run it, without waiting for the draft's thread (its answer would carry the same
+        tokens: DraftState.apply_verdict takes the round as its proposal). None: the stream is gone."""
+        link = self.link
+        assert link is not None and ask.chained is not None
+        if ask.epoch != link.epoch or not link.connected:
+            return None
+        vocab = link.target_vocab_size
+        out = {
+            rid: Proposal(checked_tokens(rid, ask.chained.tokens(rid, k), k, vocab))
+            for rid, k in ask.ks.items()
+        }
+        self.metrics.pipelined_steps.inc()
+        return out
+
     def _collect(self, ask: Ask, batch: list[Request], before_wait: Callable[[], None] | None = None
                  ) -> dict[int, Proposal]:  # fmt: skip
         assert self.link is not None
+        if ask.chained is not None and (chained := self._from_chained(ask)) is not None:
+            return chained
         # A steady ask (verdicts of one step, no starts) may be covered by the branches already here.
         hits = self._from_candidates(ask, batch) if ask.steady and self.candidates else None
         if hits is not None:

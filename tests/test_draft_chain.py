@@ -66,7 +66,8 @@ def test_chained_rounds_propose_what_the_draft_would_have(demo_models, device):
         starts = [len(r.committed) for r in reqs_c]
         by_id = {r.request_id: r for r in reqs_c}
         rows = [(i, r.request_id, p) for i, (r, p) in enumerate(zip(reqs_c, proposals))]
-        assert chained.chain(by_id, rows, _packed(emitted, K + 1, device), K + 1) == len(reqs_c)
+        launched = chained.chain(by_id, rows, _packed(emitted, K + 1, device), K + 1)
+        assert launched is not None and sorted(launched.index) == sorted(by_id)
         for rp, rc, start, e in zip(reqs_p, reqs_c, starts, emitted):
             assert plain.apply_verdict(rp, start, e) is None
             assert chained.apply_verdict(rc, start, e) is None
@@ -75,6 +76,9 @@ def test_chained_rounds_propose_what_the_draft_would_have(demo_models, device):
         props_c = chained.propose(reqs_c, [asked] * len(reqs_c))
         assert not chained.round_ran, "the chained round should have been the proposal"
         assert {i: p.tokens for i, p in props_c.items()} == {i: p.tokens for i, p in props_p.items()}
+        # What the target reads from the round without waiting for the answer (DraftSession's chained
+        # asks) is the proposal the draft answers with.
+        assert {i: launched.tokens(i, asked) for i in by_id} == {i: p.tokens for i, p in props_c.items()}
         assert all(len(p.tokens) == asked for p in props_c.values()), "drafts were made"
         for rp, rc in zip(reqs_p, reqs_c):
             assert rc.committed == rp.committed
@@ -95,7 +99,8 @@ def test_a_verdict_unlike_the_chained_round_drafts_afresh(demo_models, device):
     proposal = plain.propose([rp])[1].tokens
     assert chained.propose([rc])[1].tokens == proposal
     emitted = _verdict(proposal, 2, vocab)
-    assert chained.chain({1: rc}, [(0, 1, proposal)], _packed([emitted], K + 1, device), K + 1) == 1
+    launched = chained.chain({1: rc}, [(0, 1, proposal)], _packed([emitted], K + 1, device), K + 1)
+    assert list(launched.index) == [1]
     # The target's verdict restarts two tokens earlier with other tokens.
     start = len(ids) - 2
     resent = [*ids[start:], *emitted[:1], (emitted[1] + 5) % vocab]
@@ -117,5 +122,5 @@ def test_chain_skips_requests_it_cannot_continue(demo_models):
     emitted = [_verdict(d, 1, vocab) for d in drafts]
     rows = [(i, i, d) for i, d in enumerate(drafts)]
     by_id = {0: greedy, 1: sampled, 2: stale}
-    assert state.chain(by_id, rows, _packed(emitted, K + 1, "cpu"), K + 1) == 1
+    assert list(state.chain(by_id, rows, _packed(emitted, K + 1, "cpu"), K + 1).index) == [0]
     assert greedy.chained is not None and sampled.chained is None and stale.chained is None

@@ -66,9 +66,14 @@ def test_local_draft_is_lossless_and_speculates(demo_models, tmp_path):
         # Most rounds after the first of each request ran chained to the verify (--draft-chain, default).
         chained = draft.metric("specsplit_draft_chained_rows_total", role="draft")
         assert chained > len(ps), chained
+        # Most steps drafted from the chained round without waiting for the draft's answer.
+        pipelined = local.metric("specsplit_spec_pipelined_steps_total", role="target")
+        steps = local.metric("specsplit_verify_step_seconds_count", role="target")
+        assert pipelined > 0.5 * steps, (pipelined, steps)
         port = int(re.search(r"metrics port (\d+)", unchained.log_text()).group(1))
         other = ServiceProcess("draft_service", unchained.popen, 0, port, unchained.log)
         assert other.metric("specsplit_draft_chained_rows_total", role="draft") == 0
+        assert unchained.metric("specsplit_spec_pipelined_steps_total", role="target") == 0
         assert draft.metric("specsplit_ready", role="draft") == 1
         assert local.metric("specsplit_draft_round_trip_seconds_count", role="target") > 0
         assert local.metric("specsplit_draft_connected") == 1
