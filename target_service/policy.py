@@ -32,6 +32,13 @@ FIXED, ADAPTIVE = "fixed", "adaptive"
 # B=1, the draft in the target: k = 4 estimated at 6.2 ms, never tried, while k = 2 timed at 3.5 ms held the
 # policy at 1.11-1.25x plain where fixed k = 4 ran 1.36-1.52x).
 REFRESH_AGE, REFRESH_STEPS, REFRESH_WITHIN = 64, 4, 0.6
+# A k that its refresh leaves behind waits twice as long for the next one (up to REFRESH_AGE_MAX steps);
+# one that wins starts over. Refreshes are tries of a worse k: one H200, B=64, the draft's rounds chained
+# (rivals k = 2 and 3 within REFRESH_WITHIN, k = 1 at its edge), 4 steps of each every ~64 put 12-16 % of
+# the steps at a lower k, and the adaptive target ran 6 % below fixed k = 4. A rival that grows faster is
+# then found within REFRESH_AGE_MAX steps; a best k that grows slower is left at once (its own steps
+# keep its median current).
+REFRESH_AGE_MAX = 512
 # After plain steps, a batch whose requests all have decoded at least SWITCH_ON_MIN_LEFT tokens and have
 # fewer than that left stays plain: its first speculative step would pay the draft's catch-up on every
 # token since (8-13 ms per step at B = 17-59 after ~300 plain steps, one H200), more than its last few steps
@@ -71,6 +78,7 @@ class SpeculationPolicy:
         self.gate = ModeGate(costs, on_handicap=SPECULATION_HANDICAP) if gate and mode == ADAPTIVE else None
         self.gated = False
         self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
+        self.refresh_age: dict[tuple[int, int], int] = {}  # (bucket, k) -> its wait (default REFRESH_AGE)
         self.last_k: int | None = None  # the k chosen for the last step (None: none chosen yet)
 
     @property
@@ -149,18 +157,24 @@ class SpeculationPolicy:
             self.gate.model_says(batch, goodput[best_on], goodput[0])
 
     def _refresh(self, batch: int, best: int, goodput: list[float]) -> int:
-        """`best`, or a close rival k whose timing has gone stale (REFRESH_AGE), for REFRESH_STEPS steps."""
+        """`best`, or a close rival k whose timing has gone stale (its refresh age, from REFRESH_AGE up to
+        REFRESH_AGE_MAX), for REFRESH_STEPS steps."""
         b = self.costs.bucket(batch)
         k, left = self.refreshing.get(b, (0, 0))
         if left > 0 and k < len(goodput):
             self.refreshing[b] = (k, left - 1)
             return k
+        if k:  # a refresh ended: its k waits twice as long for the next if it lost, starts over if it won
+            del self.refreshing[b]
+            if k != best:
+                self.refresh_age[b, k] = min(2 * self.refresh_age.get((b, k), REFRESH_AGE), REFRESH_AGE_MAX)
+        self.refresh_age.pop((b, best), None)
         stale = {
             k: age
             for k in range(1, len(goodput))
             if k != best
             and goodput[k] >= REFRESH_WITHIN * goodput[best]
-            and (age := self.costs.age(batch, k)) > REFRESH_AGE
+            and (age := self.costs.age(batch, k)) > self.refresh_age.get((b, k), REFRESH_AGE)
         }
         if not stale:
             return best

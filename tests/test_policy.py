@@ -507,6 +507,64 @@ def test_a_stale_timing_is_refreshed(gate, monkeypatch):
     assert 4 not in _stale_k4_run(SpeculationPolicy("adaptive", c, gate=gate), c)
 
 
+def _steady_run(policy: SpeculationPolicy, c: StepCosts, true, steps: int) -> list[int]:
+    """`steps` steps of one request at per-token acceptance 0.8, each k's step taking true(step, k)."""
+    batch, chosen = reqs(1, alpha=0.8), []
+    for i in range(steps):
+        k = policy.choose(batch)
+        chosen.append(k)
+        c.observe_step(1, k, true(i, k), verify=1e-3, draft_wait=0.0)
+    return chosen
+
+
+def _timed_costs(true: dict[int, float]) -> StepCosts:
+    c = costs(1, {w: 1e-3 for w in range(1, 6)})
+    for k, seconds in true.items():
+        c.observe_step(1, k, seconds, verify=1e-3, draft_wait=0.0)
+    return c
+
+
+def test_a_rival_that_keeps_losing_its_refreshes_is_refreshed_less_often(monkeypatch):
+    """Steady costs where k = 2 and 3 stay within REFRESH_WITHIN of the best (k = 4) but below it, as with
+    the draft's rounds chained at B=64 (the draft drafts 4 whatever is asked; a narrower verify saves
+    little): each refresh they lose doubles their wait, so over 1500 steps they run < 5 % of the steps
+    (2 x 4 steps at 64, 192, 448, 960). Power: without the back-off (REFRESH_AGE_MAX = REFRESH_AGE) they
+    run every ~64 steps, > 9 %."""
+    true = {1: 4.2e-3, 2: 4.1e-3, 3: 4.05e-3, 4: 4.0e-3}
+    c = _timed_costs(true)
+    chosen = _steady_run(SpeculationPolicy("adaptive", c, gate=False), c, lambda i, k: true[k], 1500)
+    rivals = sum(k != 4 for k in chosen) / len(chosen)
+    assert 0 < rivals < 0.05, rivals
+    assert set(chosen) == {2, 3, 4}  # k = 1 (0.51 of k = 4's rate) is never tried
+    monkeypatch.setattr(policy_module, "REFRESH_AGE_MAX", policy_module.REFRESH_AGE)
+    c = _timed_costs(true)
+    chosen = _steady_run(SpeculationPolicy("adaptive", c, gate=False), c, lambda i, k: true[k], 1500)
+    assert sum(k != 4 for k in chosen) / len(chosen) > 0.09
+
+
+def test_a_rival_that_grows_faster_is_found_within_the_longest_wait():
+    """k = 3 loses its refreshes for 1000 steps (its wait grows to REFRESH_AGE_MAX), then its steps take
+    half the time: the policy picks it up within REFRESH_AGE_MAX steps and keeps it. A best k that grows
+    slower is left at once: its own steps keep its median current."""
+    true = {1: 4.2e-3, 2: 4.1e-3, 3: 4.05e-3, 4: 4.0e-3}
+
+    c = _timed_costs(true)
+    policy = SpeculationPolicy("adaptive", c, gate=False)
+    assert set(_steady_run(policy, c, lambda i, k: true[k], 1000)) == {2, 3, 4}
+    assert policy.refresh_age[1, 3] == policy_module.REFRESH_AGE_MAX
+    chosen = _steady_run(policy, c, lambda i, k: 2.0e-3 if k == 3 else true[k], 1000)
+    found = chosen.index(3)
+    assert found <= policy_module.REFRESH_AGE_MAX + policy_module.REFRESH_STEPS, found
+    assert chosen[found + 8 :].count(3) / len(chosen[found + 8 :]) > 0.9
+    # The best growing slower: k = 4 steps take 8 ms from step 300 on; k = 3 (4.05 ms) takes over once
+    # half of k = 4's window of 16 has the new cost.
+    c = _timed_costs(true)
+    chosen = _steady_run(SpeculationPolicy("adaptive", c, gate=False), c,
+                         lambda i, k: 8e-3 if k == 4 and i >= 300 else true[k], 600)  # fmt: skip
+    left = next(i for i in range(300, 600) if chosen[i] != 4)
+    assert left <= 300 + 9 and chosen[320:].count(4) / len(chosen[320:]) < 0.05, left
+
+
 def test_steps_without_speculating_requests_do_not_count_in_the_gate():
     c = costs(1, {w: 1e-3 for w in range(1, 6)})
     policy = SpeculationPolicy("adaptive", c)

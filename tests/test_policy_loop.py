@@ -235,11 +235,11 @@ def test_one_gate_explores_at_a_time():
     assert sched.session.want_branches is False  # the branch gate's own window again
 
 
-def test_steps_that_start_or_finish_requests_are_no_gates_rate():
+def test_steps_that_start_or_finish_requests_are_no_gates_rate_nor_step_cost():
     """A step that starts or finishes requests, and the BURST_SETTLE steps after a burst of them (a quarter
-    of the batch or more), count in neither gate's window: the host work of first and last messages is
-    every mode's, and on one H200 at B=64 such plain windows read 13.5-16 k tok/s against 23-24 k and
-    switched speculation on."""
+    of the batch or more), count in neither gate's window nor in the policy's step costs: the host work of
+    first and last messages is every mode's and every k's, and on one H200 at B=64 such plain windows read
+    13.5-16 k tok/s against 23-24 k and switched speculation on (and a run's tail rated its k worst)."""
     from prometheus_client import CollectorRegistry
 
     from common.metrics import ServiceMetrics
@@ -258,21 +258,25 @@ def test_steps_that_start_or_finish_requests_are_no_gates_rate():
         gate.rated_at[bucket, True] = gate.rated_at[bucket, False] = 0
         gate.state[bucket] = _Window(True, windows=1)
 
-    def counted(started: int = 0, finished: int = 0) -> tuple[int, int]:
-        before = spec.state[bucket].steps, branches.state[bucket].steps
+    def counted(started: int = 0, finished: int = 0) -> tuple[int, int, int]:
+        """Whether the step counted in (the speculation gate, the branch gate, the k = 4 step costs)."""
+        before = spec.state[bucket].steps, branches.state[bucket].steps, sched.costs.steps_at[bucket]
         sched.policy.gated = True
         sched.spec_run = BRANCH_SETTLE + 1
         sched.finished_in_step = finished
+        sched.session.last_wait_steady = True  # no draft prefill in its wait
         sched._account([object()] * 8, 5, StepResult([[1]] * 8, [0] * 8, 0.0), started, 0.0, 0, 0, 0, 1e-3)
-        return spec.state[bucket].steps - before[0], branches.state[bucket].steps - before[1]
+        after = spec.state[bucket].steps, branches.state[bucket].steps, sched.costs.steps_at[bucket]
+        return tuple(a - b for a, b in zip(after, before))
 
-    assert counted() == (1, 1)  # power: a steady step counts in both
-    assert counted(started=1) == (0, 0)
-    assert counted(finished=1) == (0, 0)
-    assert counted() == (1, 1)  # one start or finish: that step only
-    assert counted(finished=2) == (0, 0)  # a burst (2 of 8): it and the next BURST_SETTLE steps
-    assert [counted() for _ in range(BURST_SETTLE)] == [(0, 0)] * BURST_SETTLE
-    assert counted() == (1, 1)
+    assert counted() == (1, 1, 1)  # power: a steady step counts in all three
+    assert sched.costs.step[bucket, 4] == pytest.approx(1e-3)
+    assert counted(started=1) == (0, 0, 0)
+    assert counted(finished=1) == (0, 0, 0)
+    assert counted() == (1, 1, 1)  # one start or finish: that step only
+    assert counted(finished=2) == (0, 0, 0)  # a burst (2 of 8): it and the next BURST_SETTLE steps
+    assert [counted() for _ in range(BURST_SETTLE)] == [(0, 0, 0)] * BURST_SETTLE
+    assert counted() == (1, 1, 1)
 
 
 def test_step_trace_has_a_line_per_step(tmp_path):
