@@ -130,3 +130,43 @@ def test_a_steps_tokens_reach_the_streamer_once_the_next_step_is_launched(monkey
     out = run(batch, 3 * steps, None, 2, Recording(), SimulatedDraft(round_trip=0.002))
     assert all(len(o) == 3 * steps for o in out["outputs"])
     assert seen == [(n, n) for n in range(len(seen))] and len(handed) == len(seen) >= steps
+
+
+def test_a_finished_requests_last_message_follows_its_tokens_at_the_next_launch(monkeypatch):
+    """A request that finishes while others decode on gets its last message with the step's tokens, once
+    the next step is launched (the streamer closing streams would take the GIL from the step's commit);
+    the last step's go at once, the batch then being empty. Every stream still ends, after all of its
+    tokens (read_stream fails on tokens after the end)."""
+    events: list[str] = []
+    real_finish, real_tokens = Streamer.finish, Streamer.tokens
+
+    def finish(self, req, reason, usage, error):
+        events.append("finish")
+        real_finish(self, req, reason, usage, error)
+
+    def tokens(self, items, now):
+        events.append("tokens")
+        real_tokens(self, items, now)
+
+    monkeypatch.setattr(Streamer, "finish", finish)
+    monkeypatch.setattr(Streamer, "tokens", tokens)
+
+    class Recording(SimulatedRunner):
+        def step(self, rows, width, on_launched=None, on_verified=None):
+            events.append("step")
+            result = super().step(rows, width, on_launched, on_verified)
+            events.append("end")
+            return result
+
+    batch, steps = 8, 16
+    out = run(batch, steps, None, 0, Recording(), drain=True)  # request i wants 2 (i + 1) tokens
+    assert [len(o) for o in out["outputs"]] == [steps * (i + 1) // batch for i in range(batch)]
+    finishes = [i for i, e in enumerate(events) if e == "finish"]
+    assert len(finishes) == batch
+    last_step = max(i for i, e in enumerate(events) if e == "step")
+    for i in finishes:
+        if i < last_step:  # inside the next step, after its tokens: between its "step" and its "end"
+            opened = max(j for j in range(i) if events[j] in ("step", "end"))
+            assert events[opened] == "step" and events[i - 1] in ("tokens", "finish"), events[opened : i + 1]
+    # Power: 7 of the 8 finish while others decode on, and each of those went with a later launch.
+    assert sum(i < last_step for i in finishes) == batch - 1
