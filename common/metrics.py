@@ -203,8 +203,9 @@ class ServiceMetrics:
         )
         self.pipelined_steps = counter(
             "spec_pipelined_steps_total",
-            "Target steps verified on the draft's branches without waiting for its answer (the verdict "
-            "picked one for every request, or for at least half when going on beat waiting).",
+            "Target steps verified without waiting for the draft's answer: on its branches (the verdict "
+            "picked one for every request, or for at least half when going on beat waiting), or, with the "
+            "draft in the target, on the round chained to the last verify.",
         )
         self.fallback_steps = counter(
             "spec_fallback_steps_total", "Target steps run as plain decoding (k=0) because the draft failed."

@@ -30,6 +30,7 @@ from common.settings import parse_config
 from draft_service.stream import DraftStream
 from specsplit.launch import REPO, ServiceProcess
 from specsplit.v1 import draft_pb2
+from target_service import draft_local
 from target_service.config import TargetConfig
 from target_service.draft_local import LocalDraft, local_draft_config
 
@@ -196,5 +197,64 @@ def test_a_chained_round_that_fails_to_launch_turns_chaining_off(demo_models, ca
         assert link.send(verdict, link.epoch)
         answer = link.receive(2, link.epoch, time.perf_counter() + 30)
         assert answer is not None and len(answer.proposals[0].token_ids) == 4
+    finally:
+        link.close()
+
+
+def _packed(emitted: list[int], width: int) -> torch.Tensor:
+    """A one-row verify output: the emitted tokens, -1 past them, the accepted count, the emitted count."""
+    return torch.tensor([[*emitted, *[-1] * (width - len(emitted)), len(emitted) - 1, len(emitted)]])
+
+
+def test_a_held_ask_is_applied_at_the_next_chain_and_a_failure_ends_the_stream(demo_models, monkeypatch):
+    """An ask the chained round answers (DraftSession reads its tokens from the round) is held back: the
+    draft's thread applies it when the target next chains (or sends, or waits for an answer), drops its
+    answer, and the next chained round starts from the state it leaves. A held ask whose handling fails
+    ends the stream, and the chained launch waiting for it returns at once (the target decodes on)."""
+    monkeypatch.setattr(draft_local, "HOLD_SECONDS", 30.0)  # held until released, whatever the load
+    link = _local(demo_models, CollectorRegistry(), "--no-draft-ahead")
+    link.start()
+    try:
+        ids = prompts(1, seed=9)[0]
+        assert link.wait_connected(5)
+        assert link.send(_ask(1, 21, ids, 4), link.epoch)
+        drafts = list(link.receive(1, link.epoch, time.perf_counter() + 30).proposals[0].token_ids)
+        emitted = [*drafts[:2], (drafts[2] + 1) % 512]  # two drafts accepted, then the target's token
+        link.chain([(0, 21, drafts)], _packed(emitted, 5), 5, link.epoch)
+        launched = link.take_chained(link.epoch)
+        assert launched is not None and list(launched.index) == [21]
+        assert link.take_chained(link.epoch) is None, "a round answers one ask"
+        proposal = launched.tokens(21, 4)
+        assert len(proposal) == 4
+
+        held = draft_pb2.SpeculateRequest(step=2, propose=[21], propose_k=[4])
+        held.verdicts.add(request_id=21, start=len(ids), token_ids=emitted)
+        assert link.send(held, link.epoch, hold=True)
+        time.sleep(0.2)
+        assert link._handled_step == 1, "a held ask waits for the target's next call"
+        req = link._stream.reqs[21]
+        following = [proposal[0], (proposal[1] + 1) % 512]
+        link.chain([(0, 21, proposal)], _packed(following, 5), 5, link.epoch)
+        assert link._handled_step == 2 and req.committed == [*ids, *emitted]
+        # The draft took the round as its proposal (no round of its own) and chained the next one from it.
+        assert not link.draft.state.round_ran and link.take_chained(link.epoch) is not None
+        assert link._recv_q.empty(), "a held ask's answer is dropped"
+
+        def failing(self, msg, arrived):
+            raise RuntimeError("injected: the draft failed on a held ask")
+
+        monkeypatch.setattr(DraftStream, "handle", failing)
+        epoch = link.epoch
+        held = draft_pb2.SpeculateRequest(step=3, propose=[21], propose_k=[4])
+        held.verdicts.add(request_id=21, start=len(ids) + len(emitted), token_ids=following)
+        assert link.send(held, epoch, hold=True)
+        t0 = time.perf_counter()
+        link.chain([(0, 21, following)], _packed([following[0]], 5), 5, epoch)
+        assert time.perf_counter() - t0 < draft_local.HANDLED_SECONDS / 2
+        assert link.take_chained(epoch) is None
+        deadline = time.perf_counter() + 10
+        while link.epoch == epoch and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        assert link.epoch == epoch + 1 and link.wait_connected(5), "a new stream after the failure"
     finally:
         link.close()
