@@ -353,9 +353,8 @@ class TargetRunner:
         on_verified: Callable[[torch.Tensor], None] | None = None,
     ) -> StepResult:
         """One verify step for `rows` (rank 0): emitted tokens and accepted counts per row. `on_launched`
-        runs once the step's GPU work is queued (`on_verified`'s too), before the host waits for it;
-        without CUDA graphs (the CPU) before the forward, which computes as it is called and lets other
-        threads run meanwhile.
+        runs once the step's GPU work is queued, before the host waits for it; without CUDA graphs (the
+        CPU) before the forward, which computes as it is called and lets other threads run meanwhile.
         `on_verified(packed)` gets the step's output on the device ([P, width + 2]: each row's emitted
         tokens, accepted count, emitted count) once its copy to the host is queued, before the host waits
         for it: GPU work queued there (the in-process draft's next round) runs while the host commits."""
@@ -375,7 +374,8 @@ class TargetRunner:
         )
         if eager or packed is None:
             packed = self._verify_eager(rows, logits, padded, width)
-        late = on_launched is not None and not before
+        if on_launched is not None and not before:
+            on_launched()
         n = len(rows)
         if self.out_host is not None:
             host = self.out_host[: padded * (width + 2)].view(padded, width + 2)
@@ -383,10 +383,6 @@ class TargetRunner:
             self.events[1].record(self.stream)
             if on_verified is not None:
                 on_verified(packed)
-            if late:
-                # After the chained round is queued: its launch waits for the draft's thread to apply the
-                # verdicts, which then does not share the GIL with the streamer thread this wakes.
-                on_launched()
             ended = self.steps_ended
             self.step_ends[ended % 2].record(self.stream)
             self.steps_ended += 1
@@ -398,8 +394,6 @@ class TargetRunner:
             gap = self.step_ends[(ended - 1) % 2].elapsed_time(self.events[0]) / 1e3 if ended else 0.0
             out = host[:n].tolist()
         else:
-            if late:
-                on_launched()
             gpu = wait = gap = 0.0
             out = packed[:n].tolist()
             if on_verified is not None:
