@@ -109,8 +109,6 @@ class Scheduler:
         # or an event, could cost it up to a switch interval). First tokens, finishing steps and an idle
         # batch hand them over at once.
         self.to_stream: list[tuple[Request, list[int]]] = []
-        # Requests a step finished, whose last messages follow its tokens (Streamer.finish's arguments).
-        self.to_finish: list[tuple[Request, int, target_pb2.Usage, str]] = []
         self.to_stream_at = 0.0
         self.phase_seconds = dict.fromkeys(("plan", "propose", "verify", "commit"), 0.0)
         self.steps = 0
@@ -174,8 +172,7 @@ class Scheduler:
     def _loop(self) -> None:
         while not self.stopped.is_set():
             with self.lock:
-                while not (self.waiting or self.running or self.session.releases or self.to_finish
-                           or self.stopped.is_set()):  # fmt: skip
+                while not (self.waiting or self.running or self.session.releases or self.stopped.is_set()):
                     self.lock.wait(timeout=0.5)
             try:
                 self._drop_cancelled()
@@ -361,7 +358,7 @@ class Scheduler:
         if items:
             self.to_stream = items
             self.to_stream_at = time.perf_counter()
-            if first:
+            if finished or first:
                 self._hand_over_tokens()
         if num_drafts:
             self.metrics.drafts.inc(num_drafts)
@@ -371,13 +368,8 @@ class Scheduler:
             for pos in range(1, len(at_position)):
                 self.metrics.accepted_at_position(pos - 1).inc(reaching)
                 reaching -= at_position[pos]
-        # Finished requests' last messages go with the step's tokens, once the next step is launched (or at
-        # once when the batch is empty): handed over here, the streamer and the event loop closing their
-        # streams took the GIL from the rest of this step. One H200, B=64: steps that finished 5-16
-        # requests spent 3-4 ms in their commit against 0.3-1 ms, and a speculating target's requests,
-        # out of step, finish over a tail of such steps.
         for req, finish in finished:
-            self._finish(req, finish, later=True)
+            self._finish(req, finish)
         return num_drafts, num_accepted
 
     def _churned(self, batch: int, started: int) -> bool:
@@ -471,21 +463,13 @@ class Scheduler:
         )
 
     def _hand_over_tokens(self) -> None:
-        """The last step's tokens, then the last messages of the requests it finished, to the streamer
-        (called once the next step's forward is launched)."""
+        """The last step's tokens to the streamer (called once the next step's forward is launched)."""
         if self.to_stream:
             items, self.to_stream = self.to_stream, []
             self.streamer.tokens(items, self.to_stream_at)
-        if self.to_finish:
-            finished, self.to_finish = self.to_finish, []
-            for args in finished:
-                self.streamer.finish(*args)
 
-    def _finish(self, req: Request, reason: int, error: str = "", later: bool = False) -> None:
-        """Ends the request here; its last message goes to the streamer now, or with the step's tokens
-        (`later`: `_hand_over_tokens`)."""
-        if not later:
-            self._hand_over_tokens()  # a request's tokens reach its stream before its end
+    def _finish(self, req: Request, reason: int, error: str = "") -> None:
+        self._hand_over_tokens()  # a request's tokens reach its stream before its end
         with self.lock:
             if req.status == Status.FINISHED:
                 return
@@ -501,10 +485,7 @@ class Scheduler:
             self.session.release(req)
             self.metrics.waiting.set(len(self.waiting))
             self.delivering += 1
-        if later:
-            self.to_finish.append((req, reason, self._usage(req), error))
-        else:
-            self.streamer.finish(req, reason, self._usage(req), error)
+        self.streamer.finish(req, reason, self._usage(req), error)
         self._update_gauges()
 
     def _delivered(self, req: Request) -> None:
