@@ -34,10 +34,10 @@ FIXED, ADAPTIVE = "fixed", "adaptive"
 REFRESH_AGE, REFRESH_STEPS, REFRESH_WITHIN = 64, 4, 0.6
 # A k that its refresh leaves behind waits twice as long for the next one (up to REFRESH_AGE_MAX steps);
 # one that wins starts over. Refreshes are tries of a worse k: one H200, B=64, the draft's rounds chained
-# (rivals k = 2 and 3 within REFRESH_WITHIN, k = 1 at its edge), 4 steps of each every ~64 put 12-16 % of
-# the steps at a lower k, and the adaptive target ran 6 % below fixed k = 4. A rival that grows faster is
-# then found within REFRESH_AGE_MAX steps; a best k that grows slower is left at once (its own steps
-# keep its median current).
+# (rivals k = 2 and 3 within REFRESH_WITHIN, k = 1 at its edge), k = 1 and k = 2 ran 4 % of the full-batch
+# steps each, and the adaptive target ran 8 % below fixed k = 4 (with the tail's samples, _learn_costs).
+# A rival that grows faster is then found within REFRESH_AGE_MAX steps; a best k that grows slower is
+# left at once (its own steps keep its median current).
 REFRESH_AGE_MAX = 512
 # After plain steps, a batch whose requests all have decoded at least SWITCH_ON_MIN_LEFT tokens and have
 # fewer than that left stays plain: its first speculative step would pay the draft's catch-up on every
