@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -175,9 +177,10 @@ def test_local_draft_proposes_its_greedy_continuation_and_survives_a_failed_roun
         link.close()
 
 
-def test_a_chained_round_that_fails_to_launch_turns_chaining_off(demo_models, caplog):
-    """A chained round that raises (a bug) must cost only the chaining: the request keeps no half-made
-    chained round, its verdict then drafts as before, and no later step tries again."""
+@contextmanager
+def _proposed(demo_models) -> Iterator[tuple[LocalDraft, list[int], list[int]]]:
+    """A running in-process draft (no draft-ahead) that has answered its first ask, for request 21:
+    (the link, the request's tokens, its drafts)."""
     link = _local(demo_models, CollectorRegistry(), "--no-draft-ahead")
     link.start()
     try:
@@ -185,7 +188,15 @@ def test_a_chained_round_that_fails_to_launch_turns_chaining_off(demo_models, ca
         assert link.wait_connected(5)
         assert link.send(_ask(1, 21, ids, 4), link.epoch)
         answer = link.receive(1, link.epoch, time.perf_counter() + 30)
-        drafts = list(answer.proposals[0].token_ids)
+        yield link, ids, list(answer.proposals[0].token_ids)
+    finally:
+        link.close()
+
+
+def test_a_chained_round_that_fails_to_launch_turns_chaining_off(demo_models, caplog):
+    """A chained round that raises (a bug) must cost only the chaining: the request keeps no half-made
+    chained round, its verdict then drafts as before, and no later step tries again."""
+    with _proposed(demo_models) as (link, ids, drafts):
         assert link._stream is not None and not link._stream.ahead  # no draft-ahead: it would not chain
         bad = torch.zeros(1, 2, dtype=torch.int64)  # not [rows, width + 2] for a width of 5
         link.chain([(0, 21, drafts)], bad, len(drafts) + 1, link.epoch)
@@ -197,8 +208,6 @@ def test_a_chained_round_that_fails_to_launch_turns_chaining_off(demo_models, ca
         assert link.send(verdict, link.epoch)
         answer = link.receive(2, link.epoch, time.perf_counter() + 30)
         assert answer is not None and len(answer.proposals[0].token_ids) == 4
-    finally:
-        link.close()
 
 
 def _packed(emitted: list[int], width: int) -> torch.Tensor:
@@ -212,13 +221,7 @@ def test_a_held_ask_is_applied_at_the_next_chain_and_a_failure_ends_the_stream(d
     answer, and the next chained round starts from the state it leaves. A held ask whose handling fails
     ends the stream, and the chained launch waiting for it returns at once (the target decodes on)."""
     monkeypatch.setattr(draft_local, "HOLD_SECONDS", 30.0)  # held until released, whatever the load
-    link = _local(demo_models, CollectorRegistry(), "--no-draft-ahead")
-    link.start()
-    try:
-        ids = prompts(1, seed=9)[0]
-        assert link.wait_connected(5)
-        assert link.send(_ask(1, 21, ids, 4), link.epoch)
-        drafts = list(link.receive(1, link.epoch, time.perf_counter() + 30).proposals[0].token_ids)
+    with _proposed(demo_models) as (link, ids, drafts):
         emitted = [*drafts[:2], (drafts[2] + 1) % 512]  # two drafts accepted, then the target's token
         link.chain([(0, 21, drafts)], _packed(emitted, 5), 5, link.epoch)
         launched = link.take_chained(link.epoch)
@@ -256,5 +259,3 @@ def test_a_held_ask_is_applied_at_the_next_chain_and_a_failure_ends_the_stream(d
         while link.epoch == epoch and time.perf_counter() < deadline:
             time.sleep(0.01)
         assert link.epoch == epoch + 1 and link.wait_connected(5), "a new stream after the failure"
-    finally:
-        link.close()
