@@ -119,10 +119,11 @@ ROWS: list[tuple[str, list[dict]]] = [
               "Accepted at position i / rounds. Position 0 is the first drafted token."),
         panel("Mean accepted length", "short", [(per(ACCEPTED, TARGET, DRAFTS, TARGET), "{{model}}")],
               "Accepted draft tokens per round; tokens emitted per round are one more."),
-        panel("Steps started on the draft's branches", "percentunit",
+        panel("Steps not waiting for the draft's answer", "percentunit",
               [(per("specsplit_spec_pipelined_steps_total", TARGET, "specsplit_verify_step_seconds_count",
                     TARGET), "{{model}}")],
-              "Steps that verified the draft's branch for the verdict without waiting for its answer."),
+              "Steps that verified the draft's branch for the verdict, or (the draft inside the target) the "
+              "round chained to the last verify, without waiting for the draft's answer."),
         panel("Draft-ahead (branch) hit rate", "percentunit",
               [(f"sum by (model) ({rate(HITS, MODEL)}) / (sum by (model) ({rate(HITS, MODEL)})"
                 f" + sum by (model) ({rate(MISSES, MODEL)}))", "{{model}}")]),
