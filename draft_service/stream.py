@@ -57,9 +57,11 @@ class DraftStream:
         log.info("target stream closed (%s), %d open", self.peer, draft.streams)
 
     def handle(
-        self, msg: draft_pb2.SpeculateRequest, arrived: float
+        self, msg: draft_pb2.SpeculateRequest, arrived: float, answer: bool = True
     ) -> Iterator[draft_pb2.SpeculateResponse]:
         """The answer to `msg` (which arrived at perf_counter `arrived`), then any branches drafted ahead.
+        `answer` False: the target does not want the proposals (it read them from the round chained to
+        its verify, target_service/draft_local.py), so the answer carries none.
 
         Draft-ahead runs after the answer is taken from this generator, i.e. while the target verifies."""
         draft = self.draft
@@ -78,7 +80,7 @@ class DraftStream:
             )
         self._check(msg)
         with draft.engine_lock:
-            response, proposed = self._step(msg)
+            response, proposed = self._step(msg, answer)
         draft.metrics.draft_handle.observe(time.perf_counter() - arrived)
         yield response
         # A single guess spares the target nothing unless every request's hits; branches pay per request
@@ -131,7 +133,7 @@ class DraftStream:
                     grpc.StatusCode.INVALID_ARGUMENT, f"verdicts.start: {v.start} beyond the context"
                 )
 
-    def _step(self, msg: draft_pb2.SpeculateRequest):
+    def _step(self, msg: draft_pb2.SpeculateRequest, answer: bool = True):
         draft, state, metrics, reqs = self.draft, self.draft.state, self.draft.metrics, self.reqs
         for rid in msg.releases:
             req = reqs.pop(rid, None)
@@ -178,7 +180,9 @@ class DraftStream:
         draft.update_gauges()
         response = draft_pb2.SpeculateResponse(
             step=msg.step,
-            proposals=[self._to_pb(rid, p) for rid, p in proposals.items()],
+            # At B=64 the proposals' messages are a quarter of a held ask's handling (CPU profile), which
+            # must end within the target's verify for the next chained round to follow it.
+            proposals=[self._to_pb(rid, p) for rid, p in proposals.items()] if answer else [],
             unknown_request_ids=unknown,
             draft_seconds=elapsed,
             free_slots=state.slots.num_free,  # targets sharing this draft place requests by it

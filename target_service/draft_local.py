@@ -187,7 +187,7 @@ class LocalDraft(StreamLink):
                     held = msg.step == self._held_step
                     if held:
                         self._held.wait(HOLD_SECONDS)
-                    for response in stream.handle(msg, time.perf_counter()):
+                    for response in stream.handle(msg, time.perf_counter(), answer=not held):
                         if not held:  # a held ask's answer is not wanted
                             self._recv_q.put(response)
                     with self._handled:
