@@ -150,11 +150,11 @@ def test_local_draft_proposes_its_greedy_continuation_and_survives_a_failed_roun
         real = DraftStream.handle
         calls = []
 
-        def failing(self, msg, arrived):
+        def failing(self, msg, arrived, answer=True):
             calls.append(msg.step)
             if len(calls) == 1:
                 raise RuntimeError("injected: the draft's round failed")
-            return real(self, msg, arrived)
+            return real(self, msg, arrived, answer)
 
         monkeypatch.setattr(DraftStream, "handle", failing)
         assert link.send(_ask(2, 12, ids, 4), 1)
@@ -243,7 +243,10 @@ def test_a_held_ask_is_applied_at_the_next_chain_and_a_failure_ends_the_stream(d
         assert not link.draft.state.round_ran and link.take_chained(link.epoch) is not None
         assert link._recv_q.empty(), "a held ask's answer is dropped"
 
-        def failing(self, msg, arrived):
+        answers = []
+
+        def failing(self, msg, arrived, answer=True):
+            answers.append(answer)
             raise RuntimeError("injected: the draft failed on a held ask")
 
         monkeypatch.setattr(DraftStream, "handle", failing)
@@ -254,6 +257,7 @@ def test_a_held_ask_is_applied_at_the_next_chain_and_a_failure_ends_the_stream(d
         t0 = time.perf_counter()
         link.chain([(0, 21, following)], _packed([following[0]], 5), 5, epoch)
         assert time.perf_counter() - t0 < draft_local.HANDLED_SECONDS / 2
+        assert answers == [False], "a held ask is handled without building its answer"
         assert link.take_chained(epoch) is None
         deadline = time.perf_counter() + 10
         while link.epoch == epoch and time.perf_counter() < deadline:
