@@ -23,6 +23,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.cuda_graphs import capture
 from common.kernels import rejection
 from common.kernels.rejection import verify
 from common.kernels.rejection_ref import verify_reference
@@ -54,15 +55,7 @@ def time_call(fn, use_graph: bool) -> float:
     """Median milliseconds per call."""
     if not use_graph:
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _, _ = capture(fn, torch.device("cuda"), None)
     return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
 
 

@@ -16,9 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common.cuda_graphs import capture
 
 SHAPES = {  # name: (N, K, bias) of Qwen2.5-1.5B at TP=1
     "qkv": (2048, 1536, True),
@@ -31,15 +37,7 @@ LAYERS = 28
 
 def time_graph(fn, replays: int = 50) -> float:
     """GPU ms of one replay of a graph holding fn's kernels."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g, _, _ = capture(fn, torch.device("cuda"), None)
     for _ in range(5):
         g.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -46,13 +46,12 @@ class ChainedRound:
     """The result of `GreedyRounds.launch_chained`: per chained row, k drafted tokens, the two tokens the
     round was fed and the position of the first (read once, waiting for the GPU the first time)."""
 
-    def __init__(self, out: torch.Tensor, events: tuple[torch.cuda.Event, torch.cuda.Event] | None):
-        self._out, self._events = out, events
+    def __init__(self, out: torch.Tensor, events: tuple[torch.cuda.Event, torch.cuda.Event] | None, k: int):
+        self._out, self._events, self.k = out, events, k  # k: tokens drafted per row
         self._rows: list[list[int]] | None = None
         self.gpu_seconds: float | None = None  # the round's GPU time, once read (CUDA only)
         self.timed = False  # its GPU time went to the draft's round metric
         self.index: dict[int, int] = {}  # request id -> its row (DraftState.chain)
-        self.k = 0  # tokens drafted per row
 
     def tokens(self, request_id: int, n: int) -> list[int]:
         """The first n tokens drafted for a request of the round (waiting for the GPU the first time)."""
@@ -467,11 +466,11 @@ class GreedyRounds:
         # say the same (DraftState.apply_verdict checks it before it uses the round).
         out = torch.cat([result, static["input_ids"][:n], start[:, None]], dim=1)
         if events is None:
-            return ChainedRound(out, None)
+            return ChainedRound(out, None, k)
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
         host.copy_(out, non_blocking=True)
         events[1].record(torch.cuda.current_stream(self.device))
-        return ChainedRound(host, events)
+        return ChainedRound(host, events, k)
 
 
 def tp_worker(comm: Comm, config: DraftConfig) -> TPExecutor:

@@ -190,7 +190,6 @@ class DraftState:
         for b, (_, req, base, extra) in enumerate(todo):
             req.chained = (launched, b, base, extra)
             launched.index[req.request_id] = b
-        launched.k = k
         return launched
 
     def _take_chained(self, req: DraftRequest, start: int, tokens: list[int]) -> bool:
@@ -203,7 +202,7 @@ class DraftState:
         if not launched.timed and launched.gpu_seconds is not None:
             launched.timed = True
             self.chained_seconds.append(launched.gpu_seconds)
-        k = len(row) - 3
+        k = launched.k
         drafted, fed, first = row[:k], row[k : k + 2], row[k + 2]
         accepted = len(tokens) - 1
         m = min(accepted, extra)
