@@ -133,7 +133,8 @@ def kernel_group(name: str) -> str:
     n = name.lower()
     for key, group in (("nccl", "nccl collectives"), ("_attention", "attention (triton)"),
                        ("rotary_cache", "rotary + KV write"), ("rms_norm", "rmsnorm (+add)"),
-                       ("silu", "silu_and_mul"), ("gemv", "gemm/gemv"), ("gemm", "gemm/gemv"),
+                       ("silu", "silu_and_mul"), ("skinny", "skinny linear (triton)"),
+                       ("gemv", "gemm/gemv"), ("gemm", "gemm/gemv"),
                        ("nvjet", "gemm/gemv"), ("cutlass", "gemm/gemv"),
                        ("splitk", "gemm/gemv")):  # fmt: skip
         if key in n:

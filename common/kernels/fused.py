@@ -21,7 +21,7 @@ from torch import Tensor
 
 # SPECSPLIT_FUSED_KERNELS=0 falls back to the torch references on the GPU too (for A/B comparisons).
 ENABLED = os.environ.get("SPECSPLIT_FUSED_KERNELS", "1") != "0"
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _SM_COUNT: dict[torch.device, int] = {}
 # Split count for attention calls outside CUDA graphs (see `eager_shapes`); None: chosen per shape.
 _EAGER_SPLITS: list[int | None] = [None]
@@ -56,6 +56,80 @@ def on_gpu(x: Tensor) -> bool:
     return x.is_cuda and ENABLED
 
 
+# SPECSPLIT_PDL=0 launches every kernel in plain stream order (A/B comparisons).
+_PDL_ENABLED = os.environ.get("SPECSPLIT_PDL", "1") != "0"
+_PDL: dict[torch.device, bool] = {}
+
+
+def pdl(x: Tensor) -> bool:
+    """Whether kernels on x's device use programmatic dependent launch (Hopper and later, not the CPU
+    interpreter). Such a kernel may start before the kernel ahead of it in the stream has finished: it
+    signals `gdc_launch_dependents` at once (so the next kernel can start reading its weights) and calls
+    `gdc_wait` before it reads anything the kernel ahead of it wrote, or writes anything at all (a later
+    kernel's wait then covers every earlier kernel too)."""
+    if x.device not in _PDL:
+        _PDL[x.device] = (
+            _PDL_ENABLED
+            and x.is_cuda
+            and not INTERPRETED
+            and torch.cuda.get_device_capability(x.device)[0] >= 9
+        )
+    return _PDL[x.device]
+
+
+# SPECSPLIT_L2_PREFETCH_MB: how much of the next GEMM's weight a kernel asks L2 for (0: none).
+PREFETCH_BYTES = int(float(os.environ.get("SPECSPLIT_L2_PREFETCH_MB", "0")) * 2**20)
+_LINE = 128  # bytes per L2 prefetch
+
+
+def prefetch_args(x: Tensor, weight: Tensor | None) -> tuple[Tensor, int, bool]:
+    """(byte view, bytes, PREFETCH) for a kernel that asks L2 for `weight` (the weight of the GEMM that
+    follows it) while it runs: the first PREFETCH_BYTES of it. DRAM is otherwise idle during the small
+    kernels (norm, rotary, attention, SiLU) and the launch gaps around them; a GEMM that then finds its
+    weight in L2 spends less of its time waiting on DRAM latency. A hint only: nothing computed changes."""
+    if weight is None or not PREFETCH_BYTES or not x.is_cuda or INTERPRETED:
+        return x, 0, False
+    flat = weight.view(-1).view(torch.uint8)
+    return flat, min(flat.numel(), PREFETCH_BYTES), True
+
+
+def launch_options(x: Tensor, prefetch: Tensor | None = None) -> dict:
+    """The keyword arguments every kernel here takes at launch: PDL (see `pdl`) and the L2 prefetch of
+    `prefetch`, the weight of the GEMM that comes next (see `prefetch_args`)."""
+    pf_ptr, pf_bytes, on = prefetch_args(x, prefetch)
+    return dict(PDL=pdl(x), launch_pdl=pdl(x), pf_ptr=pf_ptr, pf_bytes=pf_bytes, PREFETCH=on)
+
+
+@triton.jit
+def _prefetch_l2(ptr, nbytes, PREFETCH: tl.constexpr):
+    # This program's share of the lines of ptr[0:nbytes] (uint8), one prefetch.global.L2 each: no
+    # registers held, no wait. Weights only (never written), so it may run before `gdc_wait`.
+    if PREFETCH:
+        pid = tl.program_id(0) + tl.num_programs(0) * (
+            tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
+        )
+        nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        lines = tl.cdiv(nbytes, 128)
+        per = tl.cdiv(lines, nprog)
+        for first in range(pid * per, tl.minimum(pid * per + per, lines), 256):
+            line = tl.minimum(first + tl.arange(0, 256), lines - 1)  # past the end: the last line again
+            tl.inline_asm_elementwise(
+                "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l",
+                [ptr + line.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1,
+            )  # fmt: skip
+
+
+@triton.jit
+def _kernel_start(PDL: tl.constexpr, pf_ptr, pf_bytes, PREFETCH: tl.constexpr):
+    # Let the next kernel launch now (its weight reads overlap us), ask L2 for the next GEMM's weight,
+    # then wait for the kernel ahead of us.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    _prefetch_l2(pf_ptr, pf_bytes, PREFETCH)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [rows, dim] any float dtype, row stride `stride`
@@ -69,7 +143,12 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
+    pf_bytes,
+    PREFETCH: tl.constexpr,
 ):
+    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -87,31 +166,36 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * dim + cols, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: Tensor) -> Tensor:
+def rows_of(x: Tensor) -> Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x [..., dim], weight [dim] -> [..., dim] in x's dtype (one kernel)."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, prefetch: Tensor | None = None) -> Tensor:
+    """x [..., dim], weight [dim] -> [..., dim] in x's dtype (one kernel). prefetch: the weight of the
+    GEMM that comes next, asked of L2 meanwhile (here and in every kernel below; a hint only)."""
     dim = x.shape[-1]
-    x2 = _rows(x)
+    x2 = rows_of(x)
     out = torch.empty((x2.shape[0], dim), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), x2.stride(0), dim, eps,
-                                         HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(dim))  # fmt: skip
+                                         HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(dim),
+                                         **launch_options(x, prefetch))  # fmt: skip
     return out.view(x.shape)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float, prefetch: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """x, residual [..., dim] -> (rms_norm(x + residual), x + residual), both in x's dtype (one kernel)."""
     dim = x.shape[-1]
-    x2, r2 = _rows(x), _rows(residual)
+    x2, r2 = rows_of(x), rows_of(residual)
     out = torch.empty((x2.shape[0], dim), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), dim, eps,
-                                         HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(dim))  # fmt: skip
+                                         HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(dim),
+                                         **launch_options(x, prefetch))  # fmt: skip
     return out.view(x.shape), res_out.view(x.shape)
 
 
@@ -140,7 +224,12 @@ def _silu_and_mul_kernel(
     stride,
     n,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
+    pf_bytes,
+    PREFETCH: tl.constexpr,
 ):
+    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -151,14 +240,16 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * n + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: Tensor) -> Tensor:
+def silu_and_mul(x: Tensor, prefetch: Tensor | None = None) -> Tensor:
     """x [..., 2 * n] = [gate | up] -> silu(gate) * up [..., n] (one kernel)."""
     n = x.shape[-1] // 2
-    x2 = _rows(x)
+    x2 = rows_of(x)
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block)
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, x2.stride(0), n, BLOCK=block, **launch_options(x, prefetch)
+        )
     return out.view(*x.shape[:-1], n)
 
 
@@ -188,7 +279,12 @@ def _rotary_cache_kernel(
     max_len,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
+    pf_bytes,
+    PREFETCH: tl.constexpr,
 ):
+    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
     token = tl.program_id(0)
     head = tl.program_id(1)  # [0, num_heads): a query head; [num_heads, num_heads + num_kv_heads): K and V
     d = tl.arange(0, BLOCK)
@@ -226,6 +322,7 @@ def rotary_and_cache(
     slots: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    prefetch: Tensor | None = None,
 ) -> Tensor:
     """Rotates q and k and writes k, v into the cache at (slots[b], positions[b, l]); returns rotated q.
 
@@ -244,7 +341,7 @@ def rotary_and_cache(
             q, k, v, cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous(),
             positions.reshape(tokens).contiguous(), slots, out, k_cache, v_cache,
             q.stride(1), k.stride(1), v.stride(1), seq, heads, kv_heads, k_cache.shape[1],
-            HALF=half, BLOCK=triton.next_power_of_2(half),
+            HALF=half, BLOCK=triton.next_power_of_2(half), **launch_options(q, prefetch),
         )  # fmt: skip
     return out
 
@@ -292,7 +389,12 @@ def _attention_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16/fp16 tl.dot is wrong: upcast there
     HAS_PREFIX: tl.constexpr,  # branch rows: a shared prefix read from another slot (False: plain rows)
+    PDL: tl.constexpr,
+    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
+    pf_bytes,
+    PREFETCH: tl.constexpr,
 ):
+    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
     # One program: the GROUP * L query rows of one (row b, KV head) that fall in block `pid(1)`, against
     # the keys of split `pid(2)`. GQA without repeating K/V: the group's query heads are extra rows.
     b = tl.program_id(0) // num_kv_heads
@@ -373,7 +475,12 @@ def _attention_combine_kernel(
     BLOCK_D: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
+    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
+    pf_bytes,
+    PREFETCH: tl.constexpr,
 ):
+    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
@@ -446,12 +553,12 @@ def attention(
         q, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse,
         scale * 1.4426950408889634, seq, heads, kv_heads, k_cache.shape[1], chunk,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=precision, DOT_FP32=_INTERPRETED, HAS_PREFIX=has_prefix,
+        PRECISION=precision, DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix, **launch_options(q),
     )  # fmt: skip
     if splits > 1:
         _attention_combine_kernel[(bsz * seq * heads,)](
             part, lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_S=triton.next_power_of_2(splits), **launch_options(q),
         )  # fmt: skip
     return out
 

@@ -4,10 +4,10 @@ split, partial products summed with one all_reduce."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.distributed import Comm
+from common.kernels.skinny import linear
 from common.layers.shard import MergedPart, ShardSpec, divide, set_merged_shards, set_shard
 
 
@@ -33,7 +33,7 @@ class ColumnParallelLinear(nn.Module):
             set_shard(self.bias, (out_features,), dim=0, start=start)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -52,7 +52,7 @@ class RowParallelLinear(nn.Module):
         set_shard(self.weight, (out_features, in_features), dim=1, start=comm.rank * per_rank)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.comm.all_reduce(F.linear(x, self.weight), self.site)
+        return self.comm.all_reduce(linear(x, self.weight), self.site)
 
 
 class MergedColumnParallelLinear(nn.Module):
@@ -97,7 +97,7 @@ class MergedColumnParallelLinear(nn.Module):
             set_merged_shards(param, parts)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

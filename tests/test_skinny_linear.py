@@ -1,0 +1,130 @@
+"""skinny_linear (common/kernels/skinny.py: the few-row GEMM that reads its weight before the kernel ahead
+of it has finished) against F.linear; each row's output independent of the rows beside it; which GEMMs
+the model sends to it; and on the GPU, a bf16 model's graphed forward with it and programmatic dependent
+launch (PDL) against the same forward in plain stream order, replay after replay (a read before its
+`gdc_wait` would show up there as a replay that differs). On the CPU under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.distributed import Comm, init_tp
+from common.kernels import fused, skinny
+from common.kv_cache import KVCache
+from common.loader import load_model
+from common.models.generate import forward_rows
+from common.tiny import make_tiny_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(rows: int, n: int, k: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).bfloat16().to(DEVICE)
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16().to(DEVICE)
+    b = torch.randn(n, generator=g).bfloat16().to(DEVICE) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize(
+    "rows,n,k,bias",
+    [(1, 48, 40, True), (5, 64, 96, False), (5, 2048, 1536, True), (16, 33, 64, True), (16, 16, 2048, False)],
+)
+def test_skinny_linear_matches_f_linear(rows, n, k, bias):
+    """Against F.linear in fp32 on the same bf16 operands: within one bf16 rounding of the output (N not a
+    multiple of BLOCK_N, K not a power of 2, 1-16 rows, with and without bias)."""
+    x, w, b = _operands(rows, n, k, bias)
+    got = skinny.skinny_linear(x, w, b)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # bf16 keeps 8 bits: half an ulp is 2^-8 relative; the CPU interpreter truncates instead (a whole ulp).
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
+def test_skinny_linear_rows_are_independent_of_the_batch():
+    """Each row's output is bit-for-bit the same alone, among 5 rows, or among 16 (what makes a request's
+    verify independent of its batch-mates up to 16 rows: no cuBLAS kernel switch by M)."""
+    x, w, b = _operands(16, 96, 160, True, seed=1)
+    full = skinny.skinny_linear(x, w, b)
+    five = skinny.skinny_linear(x[:5], w, b)
+    assert torch.equal(five, full[:5])
+    for r in (0, 3, 15):
+        assert torch.equal(skinny.skinny_linear(x[r : r + 1], w, b), full[r : r + 1])
+
+
+def test_fits_keeps_cublas_for_wide_long_or_fp32():
+    w = torch.empty(2048, 1536, dtype=torch.bfloat16)
+    assert skinny.fits(1, w) and skinny.fits(16, w)
+    assert not skinny.fits(17, w) and not skinny.fits(0, w)
+    assert not skinny.fits(5, torch.empty(17920, 1536, dtype=torch.bfloat16))  # gate_up of the 1.5B
+    assert not skinny.fits(5, torch.empty(1536, 8960, dtype=torch.bfloat16))  # down of the 1.5B
+    assert not skinny.fits(5, torch.empty(2048, 1536))  # fp32: the tile would not fit in registers
+
+
+def test_model_sends_its_small_projections_to_skinny(tmp_path, monkeypatch):
+    """A bf16 model on the kernel path (interpreted on the CPU): qkv and o_proj of each layer (and the
+    small MLP here) go to skinny_linear at 5 rows, to cuBLAS at 40 rows or with skinny_linear off; the
+    hidden states match the path with every GEMM on cuBLAS within bf16 rounding."""
+    path = make_tiny_model(tmp_path / "m", seed=4, num_layers=2, architecture="Qwen2ForCausalLM")
+    model = load_model(path, Comm(), device=DEVICE, dtype=torch.bfloat16)
+    monkeypatch.setattr(fused, "on_gpu", lambda x: True)
+    calls = []
+    real = skinny.skinny_linear
+    monkeypatch.setattr(
+        skinny, "skinny_linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or real(x, w, b)
+    )
+    outs = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(skinny, "ENABLED", enabled)
+        calls.clear()
+        cache = KVCache.for_model(model, 2, 64)
+        with torch.inference_mode():
+            outs[enabled] = forward_rows(model, cache, [0], [0], [[5, 6, 7, 8, 9]]).float()
+            five = list(calls)
+            forward_rows(model, cache, [1], [0], [list(range(40))])
+        if enabled:
+            cfg = model.config
+            hd = cfg.head_dim
+            qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, cfg.hidden_size)
+            assert five.count(qkv) == 2 and five.count((cfg.hidden_size, cfg.num_attention_heads * hd)) == 2
+            assert len(calls) == len(five)  # the 40-row prefill: none
+        else:
+            assert calls == []
+    torch.testing.assert_close(outs[True], outs[False], rtol=0.05, atol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch):
+    """bf16, the GPU kernel path: 30 replays of a CUDA graph captured with PDL (and skinny_linear) each
+    give bit-for-bit the hidden states of the same forward run eagerly without PDL. A kernel reading the
+    previous kernel's output before its wait would make replays differ from it (and from each other)."""
+    from common.cuda_graphs import capture
+
+    if not fused.pdl(torch.empty(1, device="cuda")):
+        pytest.skip("PDL needs compute capability 9.0+")
+    shape = dict(vocab_size=1000, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024,
+                 num_layers=4, architecture="Qwen2ForCausalLM")  # fmt: skip
+    path = make_tiny_model(tmp_path / "m", seed=6, **shape)
+    model = load_model(path, init_tp(1, 0, device=torch.device("cuda")), device="cuda", dtype=torch.bfloat16)
+    cache = KVCache.for_model(model, 2, 128)
+    ids = (torch.arange(5, device="cuda") * 37 % 1000).view(1, 5)
+    positions = torch.arange(60, 65, device="cuda").view(1, 5)
+    slots = torch.tensor([0], device="cuda")
+    with torch.inference_mode():
+        forward_rows(model, cache, [0], [0], [list(range(3, 63))])  # a context to attend over
+
+        def step():
+            return model(ids, positions, slots, cache, 128)
+
+        monkeypatch.setattr(fused, "pdl", lambda x: False)
+        monkeypatch.setattr(skinny, "REQUIRE_PDL", False)  # the same kernels, in stream order
+        want = step().clone()
+        monkeypatch.undo()
+        graph, out, _ = capture(step, torch.device("cuda"), None)
+        for _ in range(30):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
