@@ -77,56 +77,17 @@ def pdl(x: Tensor) -> bool:
     return _PDL[x.device]
 
 
-# SPECSPLIT_L2_PREFETCH_MB: how much of the next GEMM's weight a kernel asks L2 for (0: none).
-PREFETCH_BYTES = int(float(os.environ.get("SPECSPLIT_L2_PREFETCH_MB", "0")) * 2**20)
-_LINE = 128  # bytes per L2 prefetch
-
-
-def prefetch_args(x: Tensor, weight: Tensor | None) -> tuple[Tensor, int, bool]:
-    """(byte view, bytes, PREFETCH) for a kernel that asks L2 for `weight` (the weight of the GEMM that
-    follows it) while it runs: the first PREFETCH_BYTES of it. DRAM is otherwise idle during the small
-    kernels (norm, rotary, attention, SiLU) and the launch gaps around them; a GEMM that then finds its
-    weight in L2 spends less of its time waiting on DRAM latency. A hint only: nothing computed changes."""
-    if weight is None or not PREFETCH_BYTES or not x.is_cuda or INTERPRETED:
-        return x, 0, False
-    flat = weight.view(-1).view(torch.uint8)
-    return flat, min(flat.numel(), PREFETCH_BYTES), True
-
-
-def launch_options(x: Tensor, prefetch: Tensor | None = None) -> dict:
-    """The keyword arguments every kernel here takes at launch: PDL (see `pdl`) and the L2 prefetch of
-    `prefetch`, the weight of the GEMM that comes next (see `prefetch_args`)."""
-    pf_ptr, pf_bytes, on = prefetch_args(x, prefetch)
-    return dict(PDL=pdl(x), launch_pdl=pdl(x), pf_ptr=pf_ptr, pf_bytes=pf_bytes, PREFETCH=on)
+def launch_options(x: Tensor) -> dict:
+    """The keyword arguments every kernel here takes at launch: PDL (see `pdl`)."""
+    return dict(PDL=pdl(x), launch_pdl=pdl(x))
 
 
 @triton.jit
-def _prefetch_l2(ptr, nbytes, PREFETCH: tl.constexpr):
-    # This program's share of the lines of ptr[0:nbytes] (uint8), one prefetch.global.L2 each: no
-    # registers held, no wait. Weights only (never written), so it may run before `gdc_wait`.
-    if PREFETCH:
-        pid = tl.program_id(0) + tl.num_programs(0) * (
-            tl.program_id(1) + tl.num_programs(1) * tl.program_id(2)
-        )
-        nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        lines = tl.cdiv(nbytes, 128)
-        per = tl.cdiv(lines, nprog)
-        for first in range(pid * per, tl.minimum(pid * per + per, lines), 256):
-            line = tl.minimum(first + tl.arange(0, 256), lines - 1)  # past the end: the last line again
-            tl.inline_asm_elementwise(
-                "mov.u32 $0, 0; prefetch.global.L2 [$1];", "=r,l",
-                [ptr + line.to(tl.int64) * 128], dtype=tl.int32, is_pure=False, pack=1,
-            )  # fmt: skip
-
-
-@triton.jit
-def _kernel_start(PDL: tl.constexpr, pf_ptr, pf_bytes, PREFETCH: tl.constexpr):
-    # Let the next kernel launch now (its weight reads overlap us), ask L2 for the next GEMM's weight,
-    # then wait for the kernel ahead of us.
+def _kernel_start(PDL: tl.constexpr):
+    # Let the next kernel launch now (a skinny_linear reads its weight meanwhile), then wait for the
+    # kernel ahead of us.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _prefetch_l2(pf_ptr, pf_bytes, PREFETCH)
-    if PDL:
         tl.extra.cuda.gdc_wait()
 
 
@@ -144,11 +105,8 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
-    pf_bytes,
-    PREFETCH: tl.constexpr,
 ):
-    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
+    _kernel_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < dim
@@ -171,22 +129,19 @@ def rows_of(x: Tensor) -> Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, prefetch: Tensor | None = None) -> Tensor:
-    """x [..., dim], weight [dim] -> [..., dim] in x's dtype (one kernel). prefetch: the weight of the
-    GEMM that comes next, asked of L2 meanwhile (here and in every kernel below; a hint only)."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [..., dim], weight [dim] -> [..., dim] in x's dtype (one kernel)."""
     dim = x.shape[-1]
     x2 = rows_of(x)
     out = torch.empty((x2.shape[0], dim), dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), x2.stride(0), dim, eps,
                                          HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(dim),
-                                         **launch_options(x, prefetch))  # fmt: skip
+                                         **launch_options(x))  # fmt: skip
     return out.view(x.shape)
 
 
-def add_rms_norm(
-    x: Tensor, residual: Tensor, weight: Tensor, eps: float, prefetch: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """x, residual [..., dim] -> (rms_norm(x + residual), x + residual), both in x's dtype (one kernel)."""
     dim = x.shape[-1]
     x2, r2 = rows_of(x), rows_of(residual)
@@ -195,7 +150,7 @@ def add_rms_norm(
     if x2.shape[0]:
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), dim, eps,
                                          HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(dim),
-                                         **launch_options(x, prefetch))  # fmt: skip
+                                         **launch_options(x))  # fmt: skip
     return out.view(x.shape), res_out.view(x.shape)
 
 
@@ -225,11 +180,8 @@ def _silu_and_mul_kernel(
     n,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
-    pf_bytes,
-    PREFETCH: tl.constexpr,
 ):
-    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
+    _kernel_start(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -240,7 +192,7 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * n + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: Tensor, prefetch: Tensor | None = None) -> Tensor:
+def silu_and_mul(x: Tensor) -> Tensor:
     """x [..., 2 * n] = [gate | up] -> silu(gate) * up [..., n] (one kernel)."""
     n = x.shape[-1] // 2
     x2 = rows_of(x)
@@ -248,7 +200,7 @@ def silu_and_mul(x: Tensor, prefetch: Tensor | None = None) -> Tensor:
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
-            x2, out, x2.stride(0), n, BLOCK=block, **launch_options(x, prefetch)
+            x2, out, x2.stride(0), n, BLOCK=block, **launch_options(x)
         )
     return out.view(*x.shape[:-1], n)
 
@@ -280,11 +232,8 @@ def _rotary_cache_kernel(
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
-    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
-    pf_bytes,
-    PREFETCH: tl.constexpr,
 ):
-    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
+    _kernel_start(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)  # [0, num_heads): a query head; [num_heads, num_heads + num_kv_heads): K and V
     d = tl.arange(0, BLOCK)
@@ -322,7 +271,6 @@ def rotary_and_cache(
     slots: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    prefetch: Tensor | None = None,
 ) -> Tensor:
     """Rotates q and k and writes k, v into the cache at (slots[b], positions[b, l]); returns rotated q.
 
@@ -341,7 +289,7 @@ def rotary_and_cache(
             q, k, v, cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous(),
             positions.reshape(tokens).contiguous(), slots, out, k_cache, v_cache,
             q.stride(1), k.stride(1), v.stride(1), seq, heads, kv_heads, k_cache.shape[1],
-            HALF=half, BLOCK=triton.next_power_of_2(half), **launch_options(q, prefetch),
+            HALF=half, BLOCK=triton.next_power_of_2(half), **launch_options(q),
         )  # fmt: skip
     return out
 
@@ -390,11 +338,8 @@ def _attention_kernel(
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16/fp16 tl.dot is wrong: upcast there
     HAS_PREFIX: tl.constexpr,  # branch rows: a shared prefix read from another slot (False: plain rows)
     PDL: tl.constexpr,
-    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
-    pf_bytes,
-    PREFETCH: tl.constexpr,
 ):
-    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
+    _kernel_start(PDL)
     # One program: the GROUP * L query rows of one (row b, KV head) that fall in block `pid(1)`, against
     # the keys of split `pid(2)`. GQA without repeating K/V: the group's query heads are extra rows.
     b = tl.program_id(0) // num_kv_heads
@@ -476,11 +421,8 @@ def _attention_combine_kernel(
     SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     PDL: tl.constexpr,
-    pf_ptr,  # uint8 [pf_bytes]: the head of the next GEMM's weight, asked of L2 (only when PREFETCH)
-    pf_bytes,
-    PREFETCH: tl.constexpr,
 ):
-    _kernel_start(PDL, pf_ptr, pf_bytes, PREFETCH)
+    _kernel_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)

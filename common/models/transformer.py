@@ -75,10 +75,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         gpu = fused.on_gpu(x)
         # Rotary on q and k and the K/V cache write in one kernel; then attention over the live KV only.
-        if gpu:  # ask L2 for o_proj's weight meanwhile (it is read once the attention ends)
-            q = fused.rotary_and_cache(q, k, v, *rope, positions, slots, k_cache, v_cache, self.o_proj.weight)
-        else:
-            q = fused.rotary_and_cache_reference(q, k, v, *rope, positions, slots, k_cache, v_cache)
+        rotary_and_cache = fused.rotary_and_cache if gpu else fused.rotary_and_cache_reference
+        q = rotary_and_cache(q, k, v, *rope, positions, slots, k_cache, v_cache)
         attend = fused.attention if gpu else fused.attention_reference
         # Branch rows (prefix given) read their shared prefix's KV from another slot; their own new K/V
         # went into `slots` above as for any row.
@@ -101,10 +99,7 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
-        if fused.on_gpu(x):
-            act = fused.silu_and_mul(gate_up, prefetch=self.down_proj.weight)
-        else:
-            act = fused.silu_and_mul_reference(gate_up)
+        act = fused.silu_and_mul(gate_up) if fused.on_gpu(x) else fused.silu_and_mul_reference(gate_up)
         return self.down_proj(act)
 
 
@@ -119,14 +114,12 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, residual: Tensor | None, *attn_args) -> tuple[Tensor, Tensor]:
         """(x, residual) -> (this layer's MLP output, residual stream before it). The residual add of
         each block is fused into the next norm (vLLM style): the stream is x + residual."""
-        # Each norm asks L2 for the weight of the GEMM after it (a hint for the GPU kernels).
-        qkv_weight = self.self_attn.qkv_proj.weight
         if residual is None:
-            residual, h = x, self.input_layernorm(x, prefetch=qkv_weight)
+            residual, h = x, self.input_layernorm(x)
         else:
-            h, residual = self.input_layernorm(x, residual, qkv_weight)
+            h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, *attn_args)
-        h, residual = self.post_attention_layernorm(h, residual, self.mlp.gate_up_proj.weight)
+        h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
 
