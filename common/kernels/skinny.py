@@ -120,3 +120,115 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     ):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# SiLU-and-mul + down projection, split over K: SPECSPLIT_SILU_DOWN_MAX_ROWS=0 keeps the SiLU kernel and
+# cuBLAS (whose down GEMM at 5-80 rows is split-K too: ~10 us at 2.3 TB/s plus its own reduce kernel).
+SILU_DOWN_MAX_ROWS = int(os.environ.get("SPECSPLIT_SILU_DOWN_MAX_ROWS", "128"))
+SILU_DOWN_BLOCK_N = int(os.environ.get("SPECSPLIT_SILU_DOWN_BLOCK_N", "16"))
+SILU_DOWN_CHUNK_K = int(os.environ.get("SPECSPLIT_SILU_DOWN_CHUNK_K", "1024"))
+
+
+@triton.jit
+def _silu_down_kernel(
+    gu_ptr,  # [M, 2 * K]: [gate | up] (the gate_up GEMM's output), row stride stride_gu, x's dtype
+    w_ptr,  # [N, K] down weight, contiguous
+    part_ptr,  # fp32 [SPLITS, M, N]: split s's sum over its K chunk
+    M,
+    N,
+    K,
+    stride_gu,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+    PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16 tl.dot is wrong: upcast there
+):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1)
+    k = split * CHUNK_K + tl.arange(0, CHUNK_K)
+    n_valid = n < N
+    k_valid = k < K
+    # This program's weight tile does not depend on the kernel ahead (the gate_up GEMM): read it first.
+    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=n_valid[:, None] & k_valid[None, :],
+                other=0.0)  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the reduce kernel may start; it waits for us
+        tl.extra.cuda.gdc_wait()
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        mask = (m < M)[:, None] & k_valid[None, :]
+        row = gu_ptr + m.to(tl.int64)[:, None] * stride_gu + k[None, :]
+        gate = tl.load(row, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(row + K, mask=mask, other=0.0).to(tl.float32)
+        # As silu_and_mul: silu(gate) rounded to the model dtype, times up, rounded again.
+        act = (gate / (1.0 + tl.exp(-gate))).to(w.dtype).to(tl.float32)
+        act = (act * up).to(w.dtype)
+        if DOT_FP32:
+            acc = tl.dot(act.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc = tl.dot(act, tl.trans(w))
+        out = part_ptr + (split * M + m).to(tl.int64)[:, None] * N + n[None, :]
+        tl.store(out, acc, mask=(m < M)[:, None] & n_valid[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(
+    part_ptr,  # fp32 [SPLITS, M, N]
+    out_ptr,  # [M, N] contiguous, the model dtype
+    M,
+    N,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLITS):  # a fixed order: the same sum whatever the batch
+        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row.to(tl.int64) * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_down_fits(gate_up: Tensor, weight: Tensor) -> bool:
+    """Whether silu_and_down serves gate_up [..., 2K] and the down weight [N, K] (else the SiLU kernel and
+    cuBLAS): on a GPU with PDL (or the CPU interpreter), 16-bit weights, up to SILU_DOWN_MAX_ROWS rows."""
+    rows = gate_up.numel() // gate_up.shape[-1]
+    return (
+        ENABLED
+        and (fused.pdl(gate_up) or not REQUIRE_PDL)
+        and 0 < rows <= SILU_DOWN_MAX_ROWS
+        and weight.element_size() == 2
+        and gate_up.shape[-1] == 2 * weight.shape[1]
+    )
+
+
+def silu_and_down(
+    gate_up: Tensor, weight: Tensor, block_n: int | None = None, chunk_k: int | None = None
+) -> Tensor:
+    """silu(gate) * up @ weight.T for gate_up [..., 2K] = [gate | up] and weight [N, K] -> [..., N] in the
+    weight's dtype: two kernels. The first reads its [block_n, chunk_k] weight tile before waiting for the
+    gate_up GEMM, computes SiLU-and-mul on its K chunk of the activations as it loads them (no kernel of
+    its own) and writes fp32 partial sums per chunk; the second sums the chunks in a fixed order (cuBLAS's
+    split-K does the same with its own reduce kernel, launched without PDL)."""
+    n, k = weight.shape
+    block_n, chunk_k = block_n or SILU_DOWN_BLOCK_N, chunk_k or SILU_DOWN_CHUNK_K
+    gu = fused.rows_of(gate_up)
+    rows = gu.shape[0]
+    splits = triton.cdiv(k, chunk_k)
+    part = torch.empty((splits, rows, n), dtype=torch.float32, device=gu.device)
+    out = torch.empty((rows, n), dtype=weight.dtype, device=gu.device)
+    pdl = fused.pdl(gu)
+    _silu_down_kernel[(triton.cdiv(n, block_n), splits)](
+        gu, weight, part, rows, n, k, gu.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=block_n, CHUNK_K=chunk_k,
+        PDL=pdl, DOT_FP32=fused.INTERPRETED, num_warps=4, launch_pdl=pdl,
+    )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(n))
+    _split_sum_kernel[(rows, triton.cdiv(n, block))](
+        part, out, rows, n, SPLITS=splits, BLOCK=block, PDL=pdl, launch_pdl=pdl
+    )
+    return out.view(*gate_up.shape[:-1], n)
