@@ -1,9 +1,8 @@
-"""skinny_linear and silu_and_down (common/kernels/skinny.py: few-row GEMMs that read their weight before
-the kernel ahead of them has finished) against F.linear; each row's output independent of the rows
-beside it; which GEMMs the model sends to them; and on the GPU, a bf16 model's graphed forward with
-them and programmatic dependent launch (PDL) against the same forward in plain stream order, replay
-after replay (a read before its `gdc_wait` would show up there as a replay that differs). On the CPU
-under TRITON_INTERPRET=1."""
+"""skinny_linear (common/kernels/skinny.py: the few-row GEMM that reads its weight before the kernel ahead
+of it has finished) against F.linear; each row's output independent of the rows beside it; which GEMMs
+the model sends to it; and on the GPU, a bf16 model's graphed forward with it and programmatic dependent
+launch (PDL) against the same forward in plain stream order, replay after replay (a read before its
+`gdc_wait` would show up there as a replay that differs). On the CPU under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -65,18 +64,17 @@ def test_fits_keeps_cublas_for_wide_long_or_fp32():
 
 
 def test_model_sends_its_small_projections_to_skinny(tmp_path, monkeypatch):
-    """A bf16 model on the kernel path (interpreted on the CPU): at 5 rows qkv and o_proj of each layer
-    (and gate_up, small here) go to skinny_linear and SiLU + down to silu_and_down; at 40 rows only the
-    latter; with both off, none. The hidden states match the all-cuBLAS path within bf16 rounding."""
+    """A bf16 model on the kernel path (interpreted on the CPU): qkv and o_proj of each layer (and the
+    small MLP here) go to skinny_linear at 5 rows, to cuBLAS at 40 rows or with skinny_linear off; the
+    hidden states match the path with every GEMM on cuBLAS within bf16 rounding."""
     path = make_tiny_model(tmp_path / "m", seed=4, num_layers=2, architecture="Qwen2ForCausalLM")
     model = load_model(path, Comm(), device=DEVICE, dtype=torch.bfloat16)
     monkeypatch.setattr(fused, "on_gpu", lambda x: True)
     calls = []
-    real_linear, real_down = skinny.skinny_linear, skinny.silu_and_down
+    real = skinny.skinny_linear
     monkeypatch.setattr(
-        skinny, "skinny_linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or real_linear(x, w, b)
+        skinny, "skinny_linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or real(x, w, b)
     )
-    monkeypatch.setattr(skinny, "silu_and_down", lambda g, w: calls.append("down") or real_down(g, w))
     outs = {}
     for enabled in (True, False):
         monkeypatch.setattr(skinny, "ENABLED", enabled)
@@ -91,37 +89,10 @@ def test_model_sends_its_small_projections_to_skinny(tmp_path, monkeypatch):
             hd = cfg.head_dim
             qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, cfg.hidden_size)
             assert five.count(qkv) == 2 and five.count((cfg.hidden_size, cfg.num_attention_heads * hd)) == 2
-            assert five.count("down") == 2
-            assert calls[len(five) :] == ["down", "down"]  # the 40-row prefill: SiLU + down only
+            assert len(calls) == len(five)  # the 40-row prefill: none
         else:
             assert calls == []
     torch.testing.assert_close(outs[True], outs[False], rtol=0.05, atol=0.05)
-
-
-@pytest.mark.parametrize("rows", [1, 5, 17, 80])
-def test_silu_and_down_matches_silu_then_linear(rows):
-    """silu_and_down against the SiLU-and-mul reference then F.linear in fp32 (N not a multiple of the
-    block, K not a multiple of the chunk: 4 splits, the last one partial; 1-80 rows, 1-5 row blocks)."""
-    g = torch.Generator().manual_seed(rows)
-    k, n = 200, 40
-    gate_up = (2 * torch.randn(rows, 2 * k, generator=g)).bfloat16().to(DEVICE)
-    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16().to(DEVICE)
-    got = skinny.silu_and_down(gate_up, w, block_n=16, chunk_k=64)
-    want = F.linear(fused.silu_and_mul_reference(gate_up).float(), w.float())
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    torch.testing.assert_close(got.float(), want, rtol=2**-6, atol=2**-6 * want.abs().max().item())
-
-
-def test_silu_and_down_rows_are_independent_of_the_batch():
-    """A row's output is bit-for-bit the same alone or among 40 (fixed chunk order, no atomics)."""
-    g = torch.Generator().manual_seed(9)
-    gate_up = torch.randn(40, 2 * 160, generator=g).bfloat16().to(DEVICE)
-    w = (torch.randn(24, 160, generator=g) / 13).bfloat16().to(DEVICE)
-    full = skinny.silu_and_down(gate_up, w, block_n=16, chunk_k=64)
-    for r in (0, 17, 39):
-        assert torch.equal(
-            skinny.silu_and_down(gate_up[r : r + 1], w, block_n=16, chunk_k=64), full[r : r + 1]
-        )
 
 
 @pytest.mark.gpu

@@ -52,11 +52,7 @@ class RowParallelLinear(nn.Module):
         set_shard(self.weight, (out_features, in_features), dim=1, start=comm.rank * per_rank)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.reduce(linear(x, self.weight))
-
-    def reduce(self, local: Tensor) -> Tensor:
-        """This rank's x[:, shard] @ W[:, shard].T (however computed) -> the sum over ranks."""
-        return self.comm.all_reduce(local, self.site)
+        return self.comm.all_reduce(linear(x, self.weight), self.site)
 
 
 class MergedColumnParallelLinear(nn.Module):

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from common.config import ModelConfig
 from common.distributed import Comm
-from common.kernels import fused, skinny
+from common.kernels import fused
 from common.kv_cache import KVCache
 from common.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from common.layers.logits import LogitsProcessor, top2_tokens, top_tokens
@@ -99,12 +99,8 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate_up = self.gate_up_proj(x)
-        if not fused.on_gpu(x):
-            return self.down_proj(fused.silu_and_mul_reference(gate_up))
-        down = self.down_proj.weight
-        if skinny.silu_down_fits(gate_up, down):  # SiLU-and-mul inside the down GEMM's loads
-            return self.down_proj.reduce(skinny.silu_and_down(gate_up, down))
-        return self.down_proj(fused.silu_and_mul(gate_up))
+        act = fused.silu_and_mul(gate_up) if fused.on_gpu(x) else fused.silu_and_mul_reference(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
