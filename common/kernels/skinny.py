@@ -87,10 +87,16 @@ def _skinny_linear_kernel(
 
 
 def fits(rows: int, weight: Tensor) -> bool:
-    """Whether skinny_linear serves rows x weight [N, K] (else cuBLAS): 16-bit weights only (an fp32
-    tile would not fit in the registers)."""
+    """Whether skinny_linear serves rows x weight [N, K] (else cuBLAS): contiguous 16-bit weights only
+    (an fp32 tile would not fit in the registers)."""
     n, k = weight.shape
-    return 0 < rows <= MAX_ROWS and k <= MAX_K and n <= MAX_N and weight.element_size() == 2
+    return (
+        0 < rows <= MAX_ROWS
+        and k <= MAX_K
+        and n <= MAX_N
+        and weight.element_size() == 2
+        and weight.is_contiguous()
+    )
 
 
 def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -98,7 +104,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     n, k = weight.shape
     x2 = fused.rows_of(x)
     rows = x2.shape[0]
-    assert fits(rows, weight) and weight.is_contiguous(), (tuple(x.shape), tuple(weight.shape))
+    assert fits(rows, weight), (tuple(x.shape), tuple(weight.shape))
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     pdl = fused.pdl(x)
     _skinny_linear_kernel[(triton.cdiv(n, BLOCK_N),)](

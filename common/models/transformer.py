@@ -9,7 +9,8 @@ request from that request's slot instead: `Transformer.forward`'s prefix). No ho
 per (B, L, ctx_len).
 
 On the GPU a layer is: add+RMSNorm, qkv GEMM, rotary+KV write, attention, o_proj, add+RMSNorm, gate_up
-GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py); on the CPU the torch references of the same.
+GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py, launched with PDL on Hopper; qkv and o_proj at
+up to 16 rows in common/kernels/skinny.py); on the CPU the torch references of the same.
 """
 
 from __future__ import annotations

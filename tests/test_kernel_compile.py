@@ -1,0 +1,96 @@
+"""The forward's Triton kernels compiled for the H200 (sm_90) on the CPU, without a GPU: Triton's own
+compiler and ptxas (shipped in its wheel) check what the CPU interpreter cannot. Each kernel launched
+with programmatic dependent launch carries its `griddepcontrol` instructions (and none without PDL), and
+skinny_linear's largest tile fits the H200's shared memory (under Triton 3.6 on the GPU machine a 32-row
+block did not: 328 KB of 227, the sixteenth session's first GPU call; this Triton lays that one out in
+192 KB, so the check's power is shown on a 64-row block). Compiler versions differ in their layouts: the
+GPU tests (tests/test_skinny_linear.py on the device) remain the final word.
+
+Compiled in a subprocess: the suite runs under TRITON_INTERPRET=1, where `triton.jit` builds
+interpreted functions that Triton cannot compile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+H200_SHARED_BYTES = 232448  # the per-block opt-in maximum of sm_90 (227 KB), as Triton reports it
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from common.kernels import fused, skinny
+
+    FP32_PTRS = {"cos_ptr", "sin_ptr", "lse_ptr", "part_ptr"}
+    INT_PTRS = {"pos_ptr", "slot_ptr", "prefix_slot_ptr", "prefix_len_ptr"}
+
+    def signature(fn):
+        sig = {}
+        for p in fn.params:
+            if p.is_constexpr:
+                sig[p.name] = "constexpr"
+            elif p.name.endswith("_ptr"):
+                sig[p.name] = "*fp32" if p.name in FP32_PTRS else "*i64" if p.name in INT_PTRS else "*bf16"
+            else:
+                sig[p.name] = "fp32" if p.name in ("eps", "qk_scale") else "i32"
+        return sig
+
+    def compile_(fn, num_warps=4, **constexprs):
+        src = ASTSource(fn, signature(fn), constexprs=constexprs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+        ptx = k.asm["ptx"]
+        return {"shared": k.metadata.shared, "wait": "griddepcontrol.wait" in ptx,
+                "launch": "griddepcontrol.launch_dependents" in ptx}
+
+    skinny_consts = dict(BLOCK_N=skinny.BLOCK_N, BLOCK_K=triton.next_power_of_2(skinny.MAX_K), HAS_BIAS=True,
+                         PRECISION="tf32", DOT_FP32=False)
+    attention = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_N=64, SPLITS=1, PRECISION="tf32",
+                     DOT_FP32=False, HAS_PREFIX=False)
+    out = {
+        "skinny": compile_(skinny._skinny_linear_kernel, BLOCK_M=skinny.BLOCK_M, PDL=True, **skinny_consts),
+        "skinny_64_rows": compile_(skinny._skinny_linear_kernel, BLOCK_M=64, PDL=True, **skinny_consts),
+        "skinny_no_pdl": compile_(skinny._skinny_linear_kernel, BLOCK_M=skinny.BLOCK_M, PDL=False,
+                                  **skinny_consts),
+        "rms_norm": compile_(fused._rms_norm_kernel, HAS_RESIDUAL=True, BLOCK=2048, PDL=True),
+        "silu_and_mul": compile_(fused._silu_and_mul_kernel, BLOCK=1024, PDL=True),
+        "rotary_cache": compile_(fused._rotary_cache_kernel, HALF=64, BLOCK=64, PDL=True),
+        "attention": compile_(fused._attention_kernel, PDL=True, **attention),
+        "attention_no_pdl": compile_(fused._attention_kernel, PDL=False, **attention),
+        "attention_combine": compile_(fused._attention_combine_kernel, HEAD_DIM=128, BLOCK_D=128, SPLITS=4,
+                                      BLOCK_S=4, PDL=True),
+    }
+    json.dump(out, sys.stdout)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_pdl_kernels_carry_griddepcontrol(compiled):
+    for name in ("skinny", "rms_norm", "silu_and_mul", "rotary_cache", "attention", "attention_combine"):
+        assert compiled[name]["wait"] and compiled[name]["launch"], name
+    for name in ("skinny_no_pdl", "attention_no_pdl"):  # power: the check tells the variants apart
+        assert not compiled[name]["wait"] and not compiled[name]["launch"], name
+
+
+def test_skinny_linear_tile_fits_the_h200_shared_memory(compiled):
+    assert compiled["skinny"]["shared"] <= H200_SHARED_BYTES
+    assert compiled["skinny_64_rows"]["shared"] > H200_SHARED_BYTES  # power: an oversized tile is seen
