@@ -52,7 +52,7 @@ SCRIPT = textwrap.dedent(
                 "launch": "griddepcontrol.launch_dependents" in ptx}
 
     skinny_consts = dict(BLOCK_N=skinny.BLOCK_N, BLOCK_K=triton.next_power_of_2(skinny.MAX_K), HAS_BIAS=True,
-                         PRECISION="tf32", DOT_FP32=False)
+                         DOT_FP32=False)
     attention = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_N=64, SPLITS=1, PRECISION="tf32",
                      DOT_FP32=False, HAS_PREFIX=False)
     out = {

@@ -56,7 +56,6 @@ def _skinny_linear_kernel(
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
-    PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16 tl.dot is wrong: upcast there
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,7 +78,7 @@ def _skinny_linear_kernel(
         if DOT_FP32:
             acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w), input_precision=PRECISION)
+            acc = tl.dot(x, tl.trans(w))  # 16-bit operands (`fits`), fp32 accumulation
         if HAS_BIAS:
             acc += bias[None, :]
         tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -110,7 +109,7 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     _skinny_linear_kernel[(triton.cdiv(n, BLOCK_N),)](
         x2, weight, bias if bias is not None else weight, out, rows, n, k, x2.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=max(16, triton.next_power_of_2(k)),
-        HAS_BIAS=bias is not None, PDL=pdl, PRECISION="tf32", DOT_FP32=fused.INTERPRETED,
+        HAS_BIAS=bias is not None, PDL=pdl, DOT_FP32=fused.INTERPRETED,
         num_warps=4, launch_pdl=pdl,
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
