@@ -25,6 +25,7 @@ import torch
 from common.batch import pack
 from common.cuda_graphs import buckets, capture, warm_eager_shapes
 from common.distributed import Comm, add_comm_stats
+from common.kernels import skinny
 from common.kernels.fused import eager_shapes
 from common.kernels.rejection import verify
 from common.kernels.rejection_ref import verify_reference
@@ -267,7 +268,8 @@ class TargetRunner:
                     self.graphs[batch, width, ctx] = self._capture(batch, width, ctx)
         torch.cuda.synchronize(self.device)
         if self.comm.rank == 0:
-            log.info("captured %d verify graphs in %.1fs", len(self.graphs), time.perf_counter() - t0)
+            log.info("captured %d verify graphs in %.1fs (%s)", len(self.graphs), time.perf_counter() - t0,
+                     skinny.describe(next(self.model.parameters())))  # fmt: skip
         return len(self.graphs)
 
     @torch.inference_mode()

@@ -128,3 +128,16 @@ def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, want)
+
+
+def test_describe_names_the_kernel_path(monkeypatch):
+    """The start-up log's account of the forward's kernels, per switch."""
+    x = torch.empty(1)
+    assert skinny.describe(x) == "torch references"  # the CPU
+    monkeypatch.setattr(fused, "on_gpu", lambda t: True)
+    monkeypatch.setattr(fused, "pdl", lambda t: False)
+    assert skinny.describe(x) == "Triton fused kernels, PDL off, cuBLAS GEMMs"
+    monkeypatch.setattr(fused, "pdl", lambda t: True)
+    assert "skinny_linear up to 16 rows" in skinny.describe(x)
+    monkeypatch.setattr(skinny, "ENABLED", False)
+    assert "skinny_linear off" in skinny.describe(x)

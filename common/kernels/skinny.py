@@ -125,3 +125,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     ):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def describe(x: Tensor) -> str:
+    """The forward's kernel path for a model whose tensors are like x, for the start-up log."""
+    if not fused.on_gpu(x):
+        return "torch references"
+    if not fused.pdl(x):
+        return "Triton fused kernels, PDL off, cuBLAS GEMMs"
+    small = f"skinny_linear up to {MAX_ROWS} rows" if ENABLED else "skinny_linear off"
+    return f"Triton fused kernels with PDL, {small}, cuBLAS elsewhere"
