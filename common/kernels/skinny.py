@@ -105,12 +105,10 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     rows = x2.shape[0]
     assert fits(rows, weight), (tuple(x.shape), tuple(weight.shape))
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    pdl = fused.pdl(x)
     _skinny_linear_kernel[(triton.cdiv(n, BLOCK_N),)](
         x2, weight, bias if bias is not None else weight, out, rows, n, k, x2.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=max(16, triton.next_power_of_2(k)),
-        HAS_BIAS=bias is not None, PDL=pdl, DOT_FP32=fused.INTERPRETED,
-        num_warps=4, launch_pdl=pdl,
+        HAS_BIAS=bias is not None, DOT_FP32=fused.INTERPRETED, num_warps=4, **fused.launch_options(x),
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
