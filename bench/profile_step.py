@@ -134,7 +134,6 @@ def kernel_group(name: str) -> str:
     for key, group in (("nccl", "nccl collectives"), ("_attention", "attention (triton)"),
                        ("rotary_cache", "rotary + KV write"), ("rms_norm", "rmsnorm (+add)"),
                        ("silu", "silu_and_mul"), ("skinny", "skinny linear (triton)"),
-                       ("split_sum", "skinny split-K sum (triton)"),
                        ("gemv", "gemm/gemv"), ("gemm", "gemm/gemv"),
                        ("nvjet", "gemm/gemv"), ("cutlass", "gemm/gemv"),
                        ("splitk", "gemm/gemv")):  # fmt: skip

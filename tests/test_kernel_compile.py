@@ -24,9 +24,8 @@ H200_SHARED_BYTES = 232448  # the per-block opt-in maximum of sm_90 (227 KB), as
 
 SCRIPT = textwrap.dedent(
     """
-    import json, re, subprocess, sys, tempfile
+    import json, sys
     import triton
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from common.kernels import fused, skinny
@@ -45,28 +44,15 @@ SCRIPT = textwrap.dedent(
                 sig[p.name] = "fp32" if p.name in ("eps", "qk_scale") else "i32"
         return sig
 
-    def spilled_bytes(ptx):
-        # ptxas -v on the PTX Triton made (the same ptxas Triton compiled it with): spill stores, bytes
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(ptx)
-            f.flush()
-            log = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", f.name, "-o", "/dev/null"],
-                                 capture_output=True, text=True, check=True).stderr
-        return sum(int(b) for b in re.findall("([0-9]+) bytes spill stores", log))
-
-    def compile_(fn, num_warps=4, fp32=(), **constexprs):
-        sig = signature(fn)
-        sig.update({name: "*fp32" for name in fp32})
-        src = ASTSource(fn, sig, constexprs=constexprs)
+    def compile_(fn, num_warps=4, **constexprs):
+        src = ASTSource(fn, signature(fn), constexprs=constexprs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
         ptx = k.asm["ptx"]
         return {"shared": k.metadata.shared, "wait": "griddepcontrol.wait" in ptx,
-                "launch": "griddepcontrol.launch_dependents" in ptx, "spilled": spilled_bytes(ptx)}
+                "launch": "griddepcontrol.launch_dependents" in ptx}
 
     skinny_consts = dict(BLOCK_N=skinny.BLOCK_N, BLOCK_K=triton.next_power_of_2(skinny.MAX_K), HAS_BIAS=True,
-                         SPLIT=False, DOT_FP32=False)
-    split_consts = dict(BLOCK_M=skinny.BLOCK_M, BLOCK_N=skinny.SPLIT_BLOCK_N, HAS_BIAS=False, SPLIT=True,
-                        PDL=True, DOT_FP32=False, fp32=("out_ptr",))
+                         DOT_FP32=False)
     attention = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_N=64, SPLITS=1, PRECISION="tf32",
                      DOT_FP32=False, HAS_PREFIX=False)
     out = {
@@ -74,11 +60,6 @@ SCRIPT = textwrap.dedent(
         "skinny_64_rows": compile_(skinny._skinny_linear_kernel, BLOCK_M=64, PDL=True, **skinny_consts),
         "skinny_no_pdl": compile_(skinny._skinny_linear_kernel, BLOCK_M=skinny.BLOCK_M, PDL=False,
                                   **skinny_consts),
-        "skinny_split": compile_(skinny._skinny_linear_kernel, num_warps=skinny.SPLIT_WARPS,
-                                 BLOCK_K=skinny.SPLIT_K, **split_consts),
-        "skinny_split_2048_4_warps": compile_(skinny._skinny_linear_kernel, num_warps=4, BLOCK_K=2048,
-                                              **split_consts),
-        "split_sum": compile_(skinny._split_sum_kernel, SPLITS=9, BLOCK=1024, PDL=True),
         "rms_norm": compile_(fused._rms_norm_kernel, HAS_RESIDUAL=True, BLOCK=2048, PDL=True),
         "silu_and_mul": compile_(fused._silu_and_mul_kernel, BLOCK=1024, PDL=True),
         "rotary_cache": compile_(fused._rotary_cache_kernel, HALF=64, BLOCK=64, PDL=True),
@@ -104,16 +85,7 @@ def compiled():
 
 
 def test_pdl_kernels_carry_griddepcontrol(compiled):
-    for name in (
-        "skinny",
-        "skinny_split",
-        "split_sum",
-        "rms_norm",
-        "silu_and_mul",
-        "rotary_cache",
-        "attention",
-        "attention_combine",
-    ):
+    for name in ("skinny", "rms_norm", "silu_and_mul", "rotary_cache", "attention", "attention_combine"):
         assert compiled[name]["wait"] and compiled[name]["launch"], name
     for name in ("skinny_no_pdl", "attention_no_pdl"):  # power: the check tells the variants apart
         assert not compiled[name]["wait"] and not compiled[name]["launch"], name
@@ -122,12 +94,3 @@ def test_pdl_kernels_carry_griddepcontrol(compiled):
 def test_skinny_linear_tile_fits_the_h200_shared_memory(compiled):
     assert compiled["skinny"]["shared"] <= H200_SHARED_BYTES
     assert compiled["skinny_64_rows"]["shared"] > H200_SHARED_BYTES  # power: an oversized tile is seen
-
-
-def test_split_k_tile_stays_in_registers(compiled):
-    """The split-K tile (SPLIT_BLOCK_N x SPLIT_K at SPLIT_WARPS) compiles without register spills (the
-    sixteenth session's silu_and_down spilled and ran 1.2-30x slower); power: the same kernel with a
-    2048-wide chunk on 4 warps does spill."""
-    assert compiled["skinny_split"]["spilled"] == 0
-    assert compiled["skinny_split"]["shared"] <= H200_SHARED_BYTES
-    assert compiled["skinny_split_2048_4_warps"]["spilled"] > 0

@@ -43,30 +43,6 @@ def test_skinny_linear_matches_f_linear(rows, n, k, bias):
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
 
 
-@pytest.mark.parametrize(
-    "rows,n,k,split_k", [(1, 40, 2100, 512), (5, 1536, 8960, 1024), (16, 48, 4096, 2048), (3, 24, 3000, 1024)]
-)
-def test_split_k_matches_f_linear(rows, n, k, split_k):
-    """K beyond one tile (the down projection: 8960 on the 1.5B) is split into chunks whose fp32 partial
-    sums a second kernel adds: against F.linear in fp32 within one bf16 rounding, K a multiple of the
-    chunk or not (the last chunk masked)."""
-    x, w, _ = _operands(rows, n, k, False, seed=2)
-    assert not skinny.fits(rows, w) and skinny.fits_split(rows, w)
-    got = skinny.skinny_linear(x, w, split_k=split_k)
-    want = F.linear(x.float(), w.float())
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
-
-
-def test_split_k_rows_are_independent_of_the_batch():
-    """As for one tile: each row's split-K output is bit-for-bit the same alone or among 16 rows (the
-    chunks are summed in a fixed order)."""
-    x, w, _ = _operands(16, 40, 2600, False, seed=3)
-    full = skinny.skinny_linear(x, w)
-    assert torch.equal(skinny.skinny_linear(x[:5], w), full[:5])
-    assert torch.equal(skinny.skinny_linear(x[9:10], w), full[9:10])
-
-
 def test_skinny_linear_rows_are_independent_of_the_batch():
     """Each row's output is bit-for-bit the same alone, among 5 rows, or among 16 (what makes a request's
     verify independent of its batch-mates up to 16 rows: no cuBLAS kernel switch by M)."""
@@ -83,11 +59,7 @@ def test_fits_keeps_cublas_for_wide_long_or_fp32():
     assert skinny.fits(1, w) and skinny.fits(16, w)
     assert not skinny.fits(17, w) and not skinny.fits(0, w)
     assert not skinny.fits(5, torch.empty(17920, 1536, dtype=torch.bfloat16))  # gate_up of the 1.5B
-    down = torch.empty(1536, 8960, dtype=torch.bfloat16)  # down of the 1.5B: split over K
-    assert not skinny.fits(5, down) and skinny.fits_split(5, down) and skinny.fits_split(16, down)
-    assert not skinny.fits_split(17, down) and not skinny.fits_split(5, torch.empty(1536, 8960))
-    assert not skinny.fits_split(5, down, bias=torch.empty(1536, dtype=torch.bfloat16))
-    assert not skinny.fits_split(5, torch.empty(2048, 1536, dtype=torch.bfloat16))  # fits one tile
+    assert not skinny.fits(5, torch.empty(1536, 8960, dtype=torch.bfloat16))  # down of the 1.5B
     assert not skinny.fits(5, torch.empty(2048, 1536))  # fp32: the tile would not fit in registers
 
 
@@ -123,42 +95,6 @@ def test_model_sends_its_small_projections_to_skinny(tmp_path, monkeypatch):
     torch.testing.assert_close(outs[True], outs[False], rtol=0.05, atol=0.05)
 
 
-def test_model_splits_its_down_projection_over_k(tmp_path, monkeypatch):
-    """With a tile of MAX_K = 64 input features, a tiny bf16 model's down projection (K = 128) goes to the
-    split-K path at 5 rows (qkv and o_proj, K = 64, to one tile); hidden states within bf16 rounding of
-    the path with every GEMM on cuBLAS."""
-    path = make_tiny_model(tmp_path / "m", seed=5, num_layers=2, architecture="Qwen2ForCausalLM")
-    model = load_model(path, Comm(), device=DEVICE, dtype=torch.bfloat16)
-    monkeypatch.setattr(fused, "on_gpu", lambda x: True)
-    monkeypatch.setattr(skinny, "MAX_K", 64)
-    split = []
-    real = skinny._split_sum_kernel
-    monkeypatch.setattr(skinny, "_split_sum_kernel", _Recorder(real, split))
-    outs = {}
-    for enabled in (True, False):
-        monkeypatch.setattr(skinny, "ENABLED", enabled)
-        cache = KVCache.for_model(model, 1, 64)
-        with torch.inference_mode():
-            outs[enabled] = forward_rows(model, cache, [0], [0], [[5, 6, 7, 8, 9]]).float()
-    cfg = model.config
-    assert split == [(5, cfg.hidden_size)] * cfg.num_hidden_layers  # each layer's down, only when enabled
-    torch.testing.assert_close(outs[True], outs[False], rtol=0.05, atol=0.05)
-
-
-class _Recorder:
-    """Stands in for a Triton kernel: records (M, N) of each launch, then launches the real one."""
-
-    def __init__(self, kernel, calls: list):
-        self.kernel, self.calls = kernel, calls
-
-    def __getitem__(self, grid):
-        def launch(part, out, m, n, **kw):
-            self.calls.append((m, n))
-            return self.kernel[grid](part, out, m, n, **kw)
-
-        return launch
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch):
@@ -169,8 +105,7 @@ def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch):
 
     if not fused.pdl(torch.empty(1, device="cuda")):
         pytest.skip("PDL needs compute capability 9.0+")
-    # intermediate 3072 > MAX_K: the down projection is split over K (two kernels, both with PDL)
-    shape = dict(vocab_size=1000, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=3072,
+    shape = dict(vocab_size=1000, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024,
                  num_layers=4, architecture="Qwen2ForCausalLM")  # fmt: skip
     path = make_tiny_model(tmp_path / "m", seed=6, **shape)
     model = load_model(path, init_tp(1, 0, device=torch.device("cuda")), device="cuda", dtype=torch.bfloat16)

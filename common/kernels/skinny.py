@@ -10,13 +10,8 @@ which signal `gdc_launch_dependents` at their start) still runs, so the weight r
 the activations are read after the wait. Without PDL (older GPUs, SPECSPLIT_PDL=0) the same kernel runs
 in the usual order.
 
-A weight with more input features than one tile holds (the down projection: K = 8960 on the 1.5B) is
-split over K: program (n, s) holds the [BLOCK_N, SPLIT_K] tile of chunk s and writes fp32 partial sums;
-a second kernel (PDL too) adds the chunks in a fixed order and rounds once. cuBLAS does the same at these
-shapes (split-K plus its own reduce kernel), but launches both without PDL and reads at 2.3 TB/s.
-
-Every row is the same sum in the same order whatever M is (one tl.dot over K, or over each K chunk, per
-row block): a row's output does not depend on the batch it is in, for M up to MAX_ROWS (one row block).
+Every row is the same sum in the same order whatever M is (one tl.dot over K per row block): a row's
+output does not depend on the batch it is in, for M up to MAX_ROWS (one row block).
 """
 
 from __future__ import annotations
@@ -44,13 +39,6 @@ MAX_K = 2048  # BLOCK_K = next power of 2 of K: the tile [BLOCK_N, BLOCK_K] bf16
 # gate_up (17920 features) too, the B=1 forward took 2.27 ms against 1.55 (sixteenth session).
 MAX_N = 4096
 BLOCK_N = 16
-# Split over K (see above): chunk size, and the most rows (a row block of 16 at a time, the weight tile
-# held across them). Overridable for the A/B sweeps of bench/device_s17.sh.
-SPLIT_K = int(os.environ.get("SPECSPLIT_SKINNY_SPLIT_K", "1024"))
-SPLIT_BLOCK_N = int(os.environ.get("SPECSPLIT_SKINNY_SPLIT_BLOCK_N", "16"))
-SPLIT_MAX_ROWS = int(os.environ.get("SPECSPLIT_SKINNY_SPLIT_ROWS", "16"))
-SPLIT_WARPS = int(os.environ.get("SPECSPLIT_SKINNY_SPLIT_WARPS", "8"))  # 4 at 1024: 159 registers
-SPLIT_MAX_K = 32768
 
 
 @triton.jit
@@ -58,7 +46,7 @@ def _skinny_linear_kernel(
     x_ptr,  # [M, K] activations, row stride stride_x, unit column stride
     w_ptr,  # [N, K] weight, contiguous
     b_ptr,  # [N] bias (read only when HAS_BIAS)
-    out_ptr,  # [M, N] contiguous, x's dtype; with SPLIT fp32 [cdiv(K, BLOCK_K), M, N], chunk s's sums
+    out_ptr,  # [M, N] contiguous, x's dtype
     M,
     N,
     K,
@@ -67,13 +55,11 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    SPLIT: tl.constexpr,  # program_id(1) is the K chunk (no bias then)
     PDL: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16 tl.dot is wrong: upcast there
 ):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    split = tl.program_id(1)
-    k = split * BLOCK_K + tl.arange(0, BLOCK_K)
+    k = tl.arange(0, BLOCK_K)
     n_valid = n < N
     k_valid = k < K
     # The weight does not depend on the previous kernel: read it while that kernel still runs.
@@ -95,33 +81,8 @@ def _skinny_linear_kernel(
             acc = tl.dot(x, tl.trans(w))  # 16-bit operands (`fits`), fp32 accumulation
         if HAS_BIAS:
             acc += bias[None, :]
-        row = m
-        if SPLIT:
-            row += split * M
-        tl.store(out_ptr + row.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=m_valid[:, None] & n_valid[None, :])  # fmt: skip
-
-
-@triton.jit
-def _split_sum_kernel(
-    part_ptr,  # fp32 [SPLITS, M, N]: the K chunks' partial sums
-    out_ptr,  # [M, N] contiguous, the model dtype
-    M,
-    N,
-    SPLITS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()  # the partial sums are complete
-    row = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < N
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLITS):  # a fixed order: the same sum whatever the batch
-        acc += tl.load(part_ptr + (s * M + row).to(tl.int64) * N + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row.to(tl.int64) * N + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fits(rows: int, weight: Tensor) -> bool:
@@ -137,49 +98,18 @@ def fits(rows: int, weight: Tensor) -> bool:
     )
 
 
-def fits_split(rows: int, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether skinny_linear serves rows x weight [N, K] split over K (K > MAX_K, no bias)."""
-    n, k = weight.shape
-    return (
-        0 < rows <= SPLIT_MAX_ROWS
-        and MAX_K < k <= SPLIT_MAX_K
-        and n <= MAX_N
-        and bias is None
-        and weight.element_size() == 2
-        and weight.is_contiguous()
-    )
-
-
-def skinny_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, split_k: int | None = None
-) -> Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype: one kernel where `fits` holds,
-    else split over K in chunks of split_k (default SPLIT_K) and summed by a second (`fits_split`)."""
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, one kernel; `fits` must hold."""
     n, k = weight.shape
     x2 = fused.rows_of(x)
     rows = x2.shape[0]
-    opts = dict(DOT_FP32=fused.INTERPRETED, **fused.launch_options(x))
-    if fits(rows, weight):
-        out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-        _skinny_linear_kernel[(triton.cdiv(n, BLOCK_N),)](
-            x2, weight, bias if bias is not None else weight, out, rows, n, k, x2.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=max(16, triton.next_power_of_2(k)),
-            HAS_BIAS=bias is not None, SPLIT=False, num_warps=4, **opts,
-        )  # fmt: skip
-        return out.view(*x.shape[:-1], n)
-    assert fits_split(rows, weight, bias), (tuple(x.shape), tuple(weight.shape), bias is not None)
-    chunk = split_k or SPLIT_K
-    splits = triton.cdiv(k, chunk)
-    part = torch.empty((splits, rows, n), dtype=torch.float32, device=x.device)
-    _skinny_linear_kernel[(triton.cdiv(n, SPLIT_BLOCK_N), splits)](
-        x2, weight, weight, part, rows, n, k, x2.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=SPLIT_BLOCK_N,
-        BLOCK_K=chunk, HAS_BIAS=False, SPLIT=True, num_warps=SPLIT_WARPS, **opts,
-    )  # fmt: skip
+    assert fits(rows, weight), (tuple(x.shape), tuple(weight.shape))
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    block = min(1024, triton.next_power_of_2(n))
-    _split_sum_kernel[(rows, triton.cdiv(n, block))](
-        part, out, rows, n, SPLITS=splits, BLOCK=block, **fused.launch_options(x)
-    )
+    _skinny_linear_kernel[(triton.cdiv(n, BLOCK_N),)](
+        x2, weight, bias if bias is not None else weight, out, rows, n, k, x2.stride(0),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=max(16, triton.next_power_of_2(k)),
+        HAS_BIAS=bias is not None, DOT_FP32=fused.INTERPRETED, num_warps=4, **fused.launch_options(x),
+    )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
 
@@ -189,7 +119,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         ENABLED
         and fused.on_gpu(x)
         and (fused.pdl(x) or not REQUIRE_PDL)
-        and (fits(rows := x.numel() // x.shape[-1], weight) or fits_split(rows, weight, bias))
+        and fits(x.numel() // x.shape[-1], weight)
     ):
         return skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -201,9 +131,5 @@ def describe(x: Tensor) -> str:
         return "torch references"
     if not fused.pdl(x):
         return "Triton fused kernels, PDL off, cuBLAS GEMMs"
-    small = (
-        f"skinny_linear up to {MAX_ROWS} rows (split over K up to {SPLIT_MAX_ROWS})"
-        if ENABLED
-        else "skinny_linear off"
-    )
+    small = f"skinny_linear up to {MAX_ROWS} rows" if ENABLED else "skinny_linear off"
     return f"Triton fused kernels with PDL, {small}, cuBLAS elsewhere"
