@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
-# The seventeenth session's second and third calls on one H200 (docs/benchmarks.md, "Model speed and TP", seventeenth
+# The seventeenth session's second call on one H200 (docs/benchmarks.md, "Model speed and TP", seventeenth
 # session): the kernel GPU tests, then the graphed 1.5B forward (bench/profile_step.py) with
-# skinny_linear's dot split over K_PARTS warps or not, up to 16, 32 or 80 rows, and (third call, a
-# fourth field) up to MAX_N features (20000: gate_up too, a program per SM streaming its tiles), the configurations
+# skinny_linear's dot split over K_PARTS warps or not, and up to 16, 32 or 80 rows, the configurations
 # interleaved, twice (PROFILE=1: the per-kernel breakdown in the first round). Every run's JSON goes into
 # one file, $OUT/steps.json ({config-round: result}), as a call brings back at most 8 files.
 #   bash bench/device_s17.sh
 #   TESTS= CFGS="8:8:16 1:4:16" bash bench/device_s17.sh
-#   TESTS=tests/test_skinny_linear.py CFGS="8:8:16:4096 8:8:16:20000" bash bench/device_s17.sh   # call 3
 set -uo pipefail
 source bench/device_env.sh
 t0=$(date +%s)
@@ -18,13 +16,13 @@ if [ -n "${TESTS-x}" ]; then
 fi
 mkdir -p /tmp/s17
 for rep in ${REPS:-1 2}; do
-  # each: SPECSPLIT_SKINNY_K_PARTS:SPECSPLIT_SKINNY_WARPS:SPECSPLIT_SKINNY_MAX_ROWS[:SPECSPLIT_SKINNY_MAX_N]
+  # each: SPECSPLIT_SKINNY_K_PARTS:SPECSPLIT_SKINNY_WARPS:SPECSPLIT_SKINNY_MAX_ROWS
   for cfg in ${CFGS:-8:8:16 1:4:16 4:4:16 16:8:16 8:8:32 8:8:80}; do
-    IFS=: read -r parts warps rows maxn <<< "$cfg"
+    IFS=: read -r parts warps rows <<< "$cfg"
     prof=""; [ "$rep" = 1 ] && [ -n "${PROFILE:-}" ] && prof=--profile
     SPECSPLIT_SKINNY_K_PARTS=$parts SPECSPLIT_SKINNY_WARPS=$warps SPECSPLIT_SKINNY_MAX_ROWS=$rows \
-      SPECSPLIT_SKINNY_MAX_N=${maxn:-4096} python3 bench/profile_step.py --preset qwen1.5b --batch 1 4 16 \
-      --steps 20 $prof --out "/tmp/s17/$parts-$warps-$rows-${maxn:-4096}-r$rep.json" 2>&1 | grep -v Warning | grep '^{"' | cut -c1-120 \
+      python3 bench/profile_step.py --preset qwen1.5b --batch 1 4 16 --steps 20 $prof \
+      --out "/tmp/s17/$parts-$warps-$rows-r$rep.json" 2>&1 | grep -v Warning | grep '^{"' | cut -c1-120 \
       | sed "s/^/$cfg r$rep: /"
   done
   echo "elapsed $(( $(date +%s) - t0 )) s"

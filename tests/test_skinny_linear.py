@@ -43,18 +43,6 @@ def test_skinny_linear_matches_f_linear(rows, n, k, bias):
     torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("programs", [1, 3, 7])
-def test_programs_stream_runs_of_tiles(programs):
-    """Fewer programs than tiles (gate_up: 1120 tiles of 16 features on 132 SMs): each program streams a
-    contiguous run of tiles, reading the next while it multiplies one. Bit-equal to one program per
-    tile (the same sums per tile), and within one bf16 rounding of F.linear; 13 tiles, the last partial."""
-    x, w, b = _operands(5, 200, 96, True, seed=4)
-    got = skinny.skinny_linear(x, w, b, programs=programs)
-    assert torch.equal(got, skinny.skinny_linear(x, w, b, programs=13))
-    want = F.linear(x.float(), w.float(), b.float())
-    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
-
-
 def test_skinny_linear_rows_are_independent_of_the_batch():
     """Each row's output is bit-for-bit the same alone, among 5 rows, or among 16 (what makes a request's
     verify independent of its batch-mates up to 16 rows: no cuBLAS kernel switch by M)."""

@@ -51,15 +51,6 @@ def eager_shapes() -> Iterator[None]:
 EAGER_WARM_SHAPES = ((1, 1), (1, 2), (1, 3), (1, 7), (1, 16), (1, 33), (2, 8), (3, 3), (2, 1), (16, 1))
 
 
-def sm_count(x: Tensor) -> int:
-    """Streaming multiprocessors of x's device (4 on the CPU: the interpreter's tests)."""
-    if x.device not in _SM_COUNT:
-        _SM_COUNT[x.device] = (
-            torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-        )
-    return _SM_COUNT[x.device]
-
-
 def on_gpu(x: Tensor) -> bool:
     """Whether the model runs these kernels for x (else the torch references: the CPU path)."""
     return x.is_cuda and ENABLED
@@ -446,7 +437,11 @@ def _attention_combine_kernel(
 
 def _num_splits(q: Tensor, programs: int, ctx_len: int, block_n: int) -> int:
     """Split the keys (flash-decoding) until about two waves of programs fill the GPU."""
-    want = triton.cdiv(2 * sm_count(q), programs)
+    if q.device not in _SM_COUNT:
+        _SM_COUNT[q.device] = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        )
+    want = triton.cdiv(2 * _SM_COUNT[q.device], programs)
     return max(1, min(want, triton.cdiv(ctx_len, 2 * block_n)))
 
 

@@ -41,27 +41,14 @@ BLOCK_M = 16  # 32 needs 328 KB of shared memory for the dot's operands at K = 2
 # On a GPU only with PDL (without it cuBLAS is faster); under the CPU interpreter (tests) in stream order.
 REQUIRE_PDL = not fused.INTERPRETED
 MAX_K = 2048  # BLOCK_K = next power of 2 of K: the tile [BLOCK_N, BLOCK_K] bf16 stays in registers
-# Sixteenth session, one program per tile: with gate_up (17920 features, 1120 tiles) too, the B=1
-# forward took 2.27 ms against 1.55 (only the first wave read its weight early). Now a program per SM
-# streams a run of tiles.
-MAX_N = int(os.environ.get("SPECSPLIT_SKINNY_MAX_N", "4096"))
-PROGRAMS_PER_SM = 1  # each takes ~200 KB of shared memory for the dot's operands
+# One wave of programs (N / BLOCK_N <= 2 x 132 SMs): only the first wave reads its weight early. With
+# gate_up (17920 features) too, the B=1 forward took 2.27 ms against 1.55 (sixteenth session).
+MAX_N = 4096
 BLOCK_N = 16
 # K's slices, one warp each (bench/device_s17.sh, B=1: 8 slices on 8 warps 1.532 ms, 16 on 8 1.538, 4 on
 # 4 1.600, one dot on 4 warps 1.572).
 K_PARTS = int(os.environ.get("SPECSPLIT_SKINNY_K_PARTS", "8"))
 NUM_WARPS = int(os.environ.get("SPECSPLIT_SKINNY_WARPS", "8"))
-
-
-@triton.jit
-def _weight_tile(w_ptr, t, t_end, N, K, k, k_valid, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 K_PARTS: tl.constexpr):  # fmt: skip
-    """Tile t of the [N, K] weight, [K_PARTS, BLOCK_K // K_PARTS, BLOCK_N] (nothing read unless t < t_end)."""
-    n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_end = tl.minimum(N, t_end * BLOCK_N)
-    mask = (n < n_end)[:, None] & k_valid[None, :]
-    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=mask, other=0.0)
-    return tl.permute(tl.reshape(w, (BLOCK_N, K_PARTS, BLOCK_K // K_PARTS)), (1, 2, 0))
 
 
 @triton.jit
@@ -82,43 +69,39 @@ def _skinny_linear_kernel(
     PDL: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16 tl.dot is wrong: upcast there
 ):
-    # Program p owns the tiles of BLOCK_N features [t0, t1): one each when there are no more tiles than
-    # programs, else a contiguous run, each tile's read issued while the tile before it is multiplied.
-    pid, programs, tiles = tl.program_id(0), tl.num_programs(0), tl.cdiv(N, BLOCK_N)
-    t0, t1 = pid * tiles // programs, (pid + 1) * tiles // programs
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
+    n_valid = n < N
     k_valid = k < K
-    # The weight does not depend on the previous kernel: read the first tile while that kernel still
-    # runs. One tl.dot over all of K is a chain of BLOCK_K / 16 dependent MMAs on one warp (128 at
-    # K = 2048, ~2 us, after the wait): as a batched dot over K_PARTS slices each warp takes one slice,
-    # and the slices' fp32 sums are added in a fixed order after.
-    w = _weight_tile(w_ptr, t0, t1, N, K, k, k_valid, BLOCK_N, BLOCK_K, K_PARTS)
+    # The weight does not depend on the previous kernel: read it while that kernel still runs.
+    w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=n_valid[:, None] & k_valid[None, :],
+                other=0.0)  # fmt: skip
+    # One tl.dot over all of K is a chain of BLOCK_K / 16 dependent MMAs on one warp (128 at K = 2048,
+    # ~2 us, after the wait): as a batched dot over K_PARTS slices, each warp takes one slice and the
+    # slices' fp32 sums are added in a fixed order after. [K_PARTS, BLOCK_K // K_PARTS, BLOCK_N]:
+    w = tl.permute(tl.reshape(w, (BLOCK_N, K_PARTS, BLOCK_K // K_PARTS)), (1, 2, 0))
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + n, mask=n_valid, other=0.0).to(tl.float32)
     if PDL:
         tl.extra.cuda.gdc_wait()  # the previous kernel's outputs (our x) are complete and visible
         tl.extra.cuda.gdc_launch_dependents()
-    for t in range(t0, t1):
-        w_next = _weight_tile(w_ptr, t + 1, t1, N, K, k, k_valid, BLOCK_N, BLOCK_K, K_PARTS)
-        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_valid = n < N
+    for m0 in range(0, M, BLOCK_M):
+        m = m0 + tl.arange(0, BLOCK_M)
+        m_valid = m < M
+        x = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_x + k[None, :],
+                    mask=m_valid[:, None] & k_valid[None, :], other=0.0)  # fmt: skip
+        x = tl.permute(
+            tl.reshape(x, (BLOCK_M, K_PARTS, BLOCK_K // K_PARTS)), (1, 0, 2)
+        )  # [K_PARTS, BM, BK/K_PARTS]
+        if DOT_FP32:
+            parts = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            parts = tl.dot(x, w)  # [K_PARTS, BLOCK_M, BLOCK_N]: 16-bit operands (`fits`), fp32 sums
+        acc = tl.sum(parts, axis=0)
         if HAS_BIAS:
-            bias = tl.load(b_ptr + n, mask=n_valid, other=0.0).to(tl.float32)
-        for m0 in range(0, M, BLOCK_M):
-            m = m0 + tl.arange(0, BLOCK_M)
-            m_valid = m < M
-            x = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_x + k[None, :],
-                        mask=m_valid[:, None] & k_valid[None, :], other=0.0)  # fmt: skip
-            # [K_PARTS, BLOCK_M, BLOCK_K // K_PARTS]
-            x = tl.permute(tl.reshape(x, (BLOCK_M, K_PARTS, BLOCK_K // K_PARTS)), (1, 0, 2))
-            if DOT_FP32:
-                parts = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                parts = tl.dot(x, w)  # [K_PARTS, BLOCK_M, BLOCK_N]: 16-bit operands (`fits`), fp32 sums
-            acc = tl.sum(parts, axis=0)
-            if HAS_BIAS:
-                acc += bias[None, :]
-            tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=m_valid[:, None] & n_valid[None, :])  # fmt: skip
-        w = w_next
+            acc += bias[None, :]
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=m_valid[:, None] & n_valid[None, :])  # fmt: skip
 
 
 def fits(rows: int, weight: Tensor) -> bool:
@@ -134,18 +117,14 @@ def fits(rows: int, weight: Tensor) -> bool:
     )
 
 
-def skinny_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None = None, programs: int | None = None
-) -> Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, one kernel; `fits` must hold.
-    programs: how many (default: one per SM, or per BLOCK_N features where there are fewer)."""
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype, one kernel; `fits` must hold."""
     n, k = weight.shape
     x2 = fused.rows_of(x)
     rows = x2.shape[0]
     assert fits(rows, weight), (tuple(x.shape), tuple(weight.shape))
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(n, BLOCK_N)
-    _skinny_linear_kernel[(min(tiles, programs or fused.sm_count(x) * PROGRAMS_PER_SM),)](
+    _skinny_linear_kernel[(triton.cdiv(n, BLOCK_N),)](
         x2, weight, bias if bias is not None else weight, out, rows, n, k, x2.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=max(16 * K_PARTS, triton.next_power_of_2(k)),
         K_PARTS=K_PARTS, HAS_BIAS=bias is not None, DOT_FP32=fused.INTERPRETED, num_warps=NUM_WARPS,
