@@ -10,12 +10,8 @@ which signal `gdc_launch_dependents` at their start) still runs, so the weight r
 the activations are read after the wait. Without PDL (older GPUs, SPECSPLIT_PDL=0) the same kernel runs
 in the usual order.
 
-After the wait, the dot over all of K would be one warp's chain of K / 16 dependent MMAs (128 at
-K = 2048, ~2 us); it is a batched dot over K_PARTS slices of K instead, one per warp, whose fp32 sums are
-added after (1.552 -> 1.532 ms at B=1, seventeenth session).
-
-Every row is the same sum in the same order whatever M is (the same slices, added in the same order, per
-row block): a row's output does not depend on the batch it is in, for M up to MAX_ROWS (one row block).
+Every row is the same sum in the same order whatever M is (one tl.dot over K per row block): a row's
+output does not depend on the batch it is in, for M up to MAX_ROWS (one row block).
 """
 
 from __future__ import annotations
@@ -34,9 +30,7 @@ from common.kernels import fused
 ENABLED = os.environ.get("SPECSPLIT_SKINNY_LINEAR", "1") != "0"
 # One H200, graphed 1.5B forward (docs/benchmarks.md, sixteenth session): with PDL, 1.586 -> 1.546 ms at
 # B=1 (5 rows); at B=4 (20 rows, two row blocks) 1.709 -> 1.758 ms, a loss; without PDL a loss at both.
-# Seventeenth session, K split over warps: up to 32 rows 1.702 -> 1.757 at B=4, 80 rows 1.86 -> 2.29 at
-# B=16 (each row block re-reads its activations from L2 in every program). The knobs: bench sweeps.
-MAX_ROWS = int(os.environ.get("SPECSPLIT_SKINNY_MAX_ROWS", "16"))
+MAX_ROWS = 16
 BLOCK_M = 16  # 32 needs 328 KB of shared memory for the dot's operands at K = 2048 (the H200 has 227)
 # On a GPU only with PDL (without it cuBLAS is faster); under the CPU interpreter (tests) in stream order.
 REQUIRE_PDL = not fused.INTERPRETED
@@ -45,10 +39,6 @@ MAX_K = 2048  # BLOCK_K = next power of 2 of K: the tile [BLOCK_N, BLOCK_K] bf16
 # gate_up (17920 features) too, the B=1 forward took 2.27 ms against 1.55 (sixteenth session).
 MAX_N = 4096
 BLOCK_N = 16
-# K's slices, one warp each (bench/device_s17.sh, B=1: 8 slices on 8 warps 1.532 ms, 16 on 8 1.538, 4 on
-# 4 1.600, one dot on 4 warps 1.572).
-K_PARTS = int(os.environ.get("SPECSPLIT_SKINNY_K_PARTS", "8"))
-NUM_WARPS = int(os.environ.get("SPECSPLIT_SKINNY_WARPS", "8"))
 
 
 @triton.jit
@@ -64,7 +54,6 @@ def _skinny_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    K_PARTS: tl.constexpr,  # K in this many slices of BLOCK_K // K_PARTS (>= 16), one dot each
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16 tl.dot is wrong: upcast there
@@ -76,10 +65,6 @@ def _skinny_linear_kernel(
     # The weight does not depend on the previous kernel: read it while that kernel still runs.
     w = tl.load(w_ptr + n.to(tl.int64)[:, None] * K + k[None, :], mask=n_valid[:, None] & k_valid[None, :],
                 other=0.0)  # fmt: skip
-    # One tl.dot over all of K is a chain of BLOCK_K / 16 dependent MMAs on one warp (128 at K = 2048,
-    # ~2 us, after the wait): as a batched dot over K_PARTS slices, each warp takes one slice and the
-    # slices' fp32 sums are added in a fixed order after. [K_PARTS, BLOCK_K // K_PARTS, BLOCK_N]:
-    w = tl.permute(tl.reshape(w, (BLOCK_N, K_PARTS, BLOCK_K // K_PARTS)), (1, 2, 0))
     if HAS_BIAS:
         bias = tl.load(b_ptr + n, mask=n_valid, other=0.0).to(tl.float32)
     if PDL:
@@ -90,14 +75,10 @@ def _skinny_linear_kernel(
         m_valid = m < M
         x = tl.load(x_ptr + m.to(tl.int64)[:, None] * stride_x + k[None, :],
                     mask=m_valid[:, None] & k_valid[None, :], other=0.0)  # fmt: skip
-        x = tl.permute(
-            tl.reshape(x, (BLOCK_M, K_PARTS, BLOCK_K // K_PARTS)), (1, 0, 2)
-        )  # [K_PARTS, BM, BK/K_PARTS]
         if DOT_FP32:
-            parts = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            parts = tl.dot(x, w)  # [K_PARTS, BLOCK_M, BLOCK_N]: 16-bit operands (`fits`), fp32 sums
-        acc = tl.sum(parts, axis=0)
+            acc = tl.dot(x, tl.trans(w))  # 16-bit operands (`fits`), fp32 accumulation
         if HAS_BIAS:
             acc += bias[None, :]
         tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -126,9 +107,8 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     _skinny_linear_kernel[(triton.cdiv(n, BLOCK_N),)](
         x2, weight, bias if bias is not None else weight, out, rows, n, k, x2.stride(0),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=max(16 * K_PARTS, triton.next_power_of_2(k)),
-        K_PARTS=K_PARTS, HAS_BIAS=bias is not None, DOT_FP32=fused.INTERPRETED, num_warps=NUM_WARPS,
-        **fused.launch_options(x),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=max(16, triton.next_power_of_2(k)),
+        HAS_BIAS=bias is not None, DOT_FP32=fused.INTERPRETED, num_warps=4, **fused.launch_options(x),
     )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
