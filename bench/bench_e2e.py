@@ -237,7 +237,8 @@ def gpu_split(
 
 def divergence_margins(target_dir: Path, device: str, mismatches) -> list[dict]:
     """For each spec/plain pair that differs: the target's top-2 logit gap at the first differing token,
-    computed alone (B=1, eager) on the common prefix. A gap at the dtype's rounding level is a near-tie."""
+    computed alone (B=1, eager) on the common prefix, with the batch, mode and request it came from. A gap
+    at the dtype's rounding level is a near-tie."""
     import torch
 
     from common.distributed import init_tp
@@ -250,16 +251,18 @@ def divergence_margins(target_dir: Path, device: str, mismatches) -> list[dict]:
     for dtype in sorted({m[0] for m in mismatches}):
         model = load_model(target_dir, init_tp(1, 0, device=torch.device(device)), device=device,
                            dtype=dtypes[dtype])  # fmt: skip
-        for _, prompt, spec, plain in (m for m in mismatches if m[0] == dtype):
+        for _, prompt, spec, plain, where in (m for m in mismatches if m[0] == dtype):
             j = next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)
             context = prompt + plain[:j]
             cache = KVCache.for_model(model, 1, len(context) + 1)
             with torch.inference_mode():
                 hidden = forward_rows(model, cache, [0], [0], [context])[0, -1:]
                 top2 = model.compute_logits(hidden)[0].topk(2)
-            out.append({"dtype": dtype, "position": j, "spec_token": spec[j], "plain_token": plain[j],
-                        "top2_ids": top2.indices.tolist(), "top2_gap": float(top2.values[0] - top2.values[1]),
-                        "top1_logit": float(top2.values[0])})  # fmt: skip
+            values, ids = top2.values.tolist(), top2.indices.tolist()
+            out.append(
+                dict(dtype=dtype, **where, position=j, spec_token=spec[j], plain_token=plain[j], top2_ids=ids,
+                     top2_gap=values[0] - values[1], top1_logit=values[0])
+            )  # fmt: skip
         del model
     return out
 
@@ -491,7 +494,8 @@ def main() -> int:
     logs = args.logs or Path(tempfile.mkdtemp(prefix="specsplit-bench-"))
     logs.mkdir(parents=True, exist_ok=True)
     rows = []
-    mismatches: list[tuple[str, list[int], list[int], list[int]]] = []
+    # (dtype, prompt, spec ids, plain ids, {batch, mode, request}) of the divergences to probe
+    mismatches: list[tuple[str, list[int], list[int], list[int], dict]] = []
     for dtype in args.dtypes:
         t0 = time.perf_counter()
         stack = start_stack(args, dtype, target_dir, draft_dir, logs)
@@ -529,7 +533,8 @@ def main() -> int:
                                 key = (i, tuple(a))
                                 if a != b and len(probed) < args.probe_divergences and key not in probed:
                                     probed.add(key)
-                                    mismatches.append((dtype, prompts[i], a, b))
+                                    mismatches.append((dtype, prompts[i], a, b, dict(batch=batch, mode=mode,
+                                                                                    request=i)))  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
@@ -560,7 +565,8 @@ def main() -> int:
                   f"[{t['min']:.0f}-{t['max']:.0f}] tok/s, / {base_mode(mode)}: {each}")  # fmt: skip
     margins = divergence_margins(target_dir, args.device, mismatches) if mismatches else []
     for m in margins:
-        print(f"divergence ({m['dtype']}) at token {m['position']}: spec {m['spec_token']} vs plain "
+        print(f"divergence ({m['dtype']}, B={m['batch']} {m['mode']} request {m['request']}) at token "
+              f"{m['position']}: spec {m['spec_token']} vs plain "
               f"{m['plain_token']}; target alone: top-2 {m['top2_ids']}, gap {m['top2_gap']:.4g} at logit "
               f"{m['top1_logit']:.4g}")  # fmt: skip
     if args.out:
