@@ -12,6 +12,13 @@ in the usual order.
 
 Every row is the same sum in the same order whatever M is (one tl.dot over K per row block): a row's
 output does not depend on the batch it is in, for M up to MAX_ROWS (one row block).
+
+Keep that one dot over K, accumulated in K order as cuBLAS does: a plain step at B <= 16 runs qkv and
+o_proj here while the verify of a speculative step at B >= 4 (20-80 rows) runs them in cuBLAS, and the two
+must round alike for bf16 speculative output to equal plain output. Splitting the dot into 8 K-slices on 8
+warps, summed after (seventeenth session, 28d95eb), saved 0.01-0.02 ms at B=1 but at B=16 left 0/16
+speculative sequences equal to plain against 14/16 (every divergence a tie of 0-2 bf16 steps: lossless,
+but eight times as many; docs/benchmarks.md).
 """
 
 from __future__ import annotations
