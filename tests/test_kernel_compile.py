@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
         ptx = k.asm["ptx"]
         return {"shared": k.metadata.shared, "wait": "griddepcontrol.wait" in ptx,
-                "launch": "griddepcontrol.launch_dependents" in ptx}
+                "launch": "griddepcontrol.launch_dependents" in ptx, "mma": ptx.count("mma.sync")}
 
     skinny_consts = dict(BLOCK_N=skinny.BLOCK_N, BLOCK_K=triton.next_power_of_2(skinny.MAX_K), HAS_BIAS=True,
                          DOT_FP32=False)
@@ -58,6 +58,8 @@ SCRIPT = textwrap.dedent(
     out = {
         "skinny": compile_(skinny._skinny_linear_kernel, BLOCK_M=skinny.BLOCK_M, PDL=True, **skinny_consts),
         "skinny_64_rows": compile_(skinny._skinny_linear_kernel, BLOCK_M=64, PDL=True, **skinny_consts),
+        "skinny_k1024": compile_(skinny._skinny_linear_kernel, BLOCK_M=skinny.BLOCK_M, PDL=True,
+                                 **{**skinny_consts, "BLOCK_K": 1024}),
         "skinny_no_pdl": compile_(skinny._skinny_linear_kernel, BLOCK_M=skinny.BLOCK_M, PDL=False,
                                   **skinny_consts),
         "rms_norm": compile_(fused._rms_norm_kernel, HAS_RESIDUAL=True, BLOCK=2048, PDL=True),
@@ -94,3 +96,13 @@ def test_pdl_kernels_carry_griddepcontrol(compiled):
 def test_skinny_linear_tile_fits_the_h200_shared_memory(compiled):
     assert compiled["skinny"]["shared"] <= H200_SHARED_BYTES
     assert compiled["skinny_64_rows"]["shared"] > H200_SHARED_BYTES  # power: an oversized tile is seen
+
+
+def test_skinny_linear_dot_is_one_chain_in_k_order(compiled):
+    """skinny_linear's dot runs over all of K in one chain of 16-wide MMA steps per warp (its 8 output
+    features), fp32-accumulated in K order as cuBLAS does; common/kernels/skinny.py says why (a plain
+    step's rows must round as the cuBLAS verify's do: K split into 8 slices summed after left 0/16 bf16
+    speculative sequences equal to plain at B=16, against 14/16). The count follows the chain's length
+    (power: 64 MMAs at K = 1024)."""
+    assert compiled["skinny"]["mma"] == 2048 // 16  # BLOCK_K = skinny.MAX_K = 2048 in the compile above
+    assert compiled["skinny_k1024"]["mma"] == 1024 // 16
