@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The seventeenth session's last call on one H200 (docs/benchmarks.md, seventeenth session): the graphed
-# 1.5B forward with skinny_linear on (the final code) and off (cuBLAS for every GEMM, PDL still on),
-# interleaved, twice, into $OUT/steps.json; then the serving bench of the sixteenth session on the final
-# code (plain target vs the draft inside the target, fixed and adaptive, B = 1, 4, 16, 64).
+# The seventeenth session's fourth call on one H200 (docs/benchmarks.md, seventeenth session): the graphed
+# 1.5B forward with skinny_linear on and off (cuBLAS for every GEMM, PDL still on), interleaved, twice,
+# into $OUT/steps.json; then the sixteenth session's serving bench (plain target vs the draft inside the
+# target, fixed and adaptive, B = 1, 4, 16, 64). That call ran it on the K-sliced skinny_linear of
+# 28d95eb (since reverted); run on main, it measures main's kernel.
 #   bash bench/device_s17b.sh
 set -uo pipefail
 source bench/device_env.sh

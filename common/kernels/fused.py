@@ -79,7 +79,8 @@ def pdl(x: Tensor) -> bool:
 
 def launch_options(x: Tensor) -> dict:
     """The keyword arguments every kernel here takes at launch: PDL (see `pdl`)."""
-    return dict(PDL=pdl(x), launch_pdl=pdl(x))
+    on = pdl(x)
+    return dict(PDL=on, launch_pdl=on)
 
 
 @triton.jit
