@@ -1,5 +1,5 @@
 """Fused kernels (the GPU path of the model) against their torch references: RMSNorm (with the residual
-add), SiLU-and-mul, and rotary + KV write + attention over the live KV (split and unsplit).
+add), rotary, SiLU-and-mul, rotary + KV write, and attention over the live KV (split and unsplit).
 On the CPU they run under TRITON_INTERPRET=1 (as `make test` sets it)."""
 
 from __future__ import annotations
@@ -62,11 +62,9 @@ def test_silu_and_mul_matches_reference(dtype):
 
 
 def _cache_case(dtype, bsz=3, seq=4, heads=4, kv_heads=2, head_dim=32, slots_n=5, max_len=40, seed=4):
-    """Three rows of `seq` new tokens (q, k, v views into one qkv tensor, as the model passes them) at
-    positions 0, 9, 30 onwards of a random (stale) cache: the keys below each row's start are its past."""
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(bsz, seq, heads + 2 * kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=2)
+    q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=2)  # views, as the model passes them
     caches = [
         torch.randn(slots_n, max_len, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE) for _ in "kv"
     ]
@@ -76,14 +74,20 @@ def _cache_case(dtype, bsz=3, seq=4, heads=4, kv_heads=2, head_dim=32, slots_n=5
     return q, k, v, caches, positions, slots
 
 
-def _run_both(q, k, v, caches, positions, slots, ctx_len, splits, head_dim, **prefix):
-    """The kernel and its reference on copies of one cache: (out, k_cache, v_cache) of each."""
-    cos, sin = RotaryEmbedding(head_dim, 10000.0, None, device=DEVICE).table(caches[0].shape[1])
-    args = (cos, sin, positions, slots)
-    got_caches, want_caches = [c.clone() for c in caches], [c.clone() for c in caches]
-    got = fused.rotary_attention(q, k, v, *args, *got_caches, ctx_len, head_dim**-0.5, splits, **prefix)
-    want = fused.rotary_attention_reference(q, k, v, *args, *want_caches, ctx_len, head_dim**-0.5, **prefix)
-    return (got, *got_caches), (want, *want_caches)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 96])  # 96: half a head is not a power of two (masked lanes)
+def test_rotary_and_cache_matches_reference(dtype, head_dim):
+    q, k, v, (kc, vc), positions, slots = _cache_case(dtype, head_dim=head_dim)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None, device=DEVICE)(positions)
+    kc2, vc2 = kc.clone(), vc.clone()
+    got = fused.rotary_and_cache(q, k, v, cos, sin, positions, slots, kc, vc)
+    want = fused.rotary_and_cache_reference(q, k, v, cos, sin, positions, slots, kc2, vc2)
+    torch.testing.assert_close(got.float(), want.float(), rtol=_tol(dtype), atol=_tol(dtype))
+    torch.testing.assert_close(kc.float(), kc2.float(), rtol=_tol(dtype), atol=_tol(dtype))
+    assert torch.equal(vc, vc2)  # V is copied, untouched
+    untouched = torch.ones(kc.shape[:2], dtype=torch.bool, device=DEVICE)
+    untouched[slots[:, None], positions] = False
+    assert torch.equal(kc[untouched], kc2[untouched])
 
 
 @pytest.mark.parametrize(
@@ -94,49 +98,22 @@ def _run_both(q, k, v, caches, positions, slots, ctx_len, splits, head_dim, **pr
         (torch.float32, 1, 6, 64, None),  # decode, group 3, automatic split count
         (torch.bfloat16, 5, 4, 32, 2),
         (torch.float32, 3, 4, 24, 2),  # head_dim not a power of two (padded lanes)
-        (torch.bfloat16, 2, 4, 96, 1),  # half a head not a power of two (masked rotary lanes)
-        (torch.float32, 70, 2, 32, 2),  # a prefill: more of this step's keys than one block holds
     ],
 )
-def test_rotary_attention_matches_reference(dtype, seq, heads, head_dim, splits):
-    q, k, v, caches, positions, slots = _cache_case(
-        dtype, seq=seq, heads=heads, head_dim=head_dim, max_len=110
-    )
-    ctx_len = 110  # the cache's whole length: keys past each row's position hold random stale values
-    (got, got_k, got_v), (want, want_k, want_v) = _run_both(
-        q, k, v, caches, positions, slots, ctx_len, splits, head_dim
-    )
+def test_attention_matches_reference(dtype, seq, heads, head_dim, splits):
+    q, _, _, (kc, vc), positions, slots = _cache_case(dtype, seq=seq, heads=heads, head_dim=head_dim)
+    q = q.contiguous()
+    ctx_len = 40  # the cache's whole length: keys past each row's position hold random stale values
+    scale = head_dim**-0.5
+    got = fused.attention(q, kc, vc, slots, positions, ctx_len, scale, num_splits=splits)
+    want = fused.attention_reference(q, kc, vc, slots, positions, ctx_len, scale)
     torch.testing.assert_close(got.float(), want.float(), rtol=_tol(dtype), atol=_tol(dtype))
-    # The cache write: this step's rotated keys and its values at (slot, position), nothing else touched.
-    torch.testing.assert_close(got_k.float(), want_k.float(), rtol=_tol(dtype), atol=_tol(dtype))
-    assert torch.equal(got_v, want_v)  # V is copied, untouched
-    untouched = torch.ones(caches[0].shape[:2], dtype=torch.bool, device=DEVICE)
-    untouched[slots[:, None], positions] = False
-    assert torch.equal(got_k[untouched], caches[0][untouched])
-    assert not torch.equal(got_k[~untouched], caches[0][~untouched])
-    # The live-KV claim: poisoning every key past the last query position of a row changes nothing; and
-    # this step's keys come from q/k/v, not the cache: poisoning their cache entries changes nothing.
-    poisoned = [c.clone() for c in caches]
+    # The live-KV claim: poisoning every key past the last query position of a row changes nothing.
     for b in range(q.shape[0]):
-        for c in poisoned:
-            c[slots[b], int(positions[b, 0]) :] = float("nan")
-    again = fused.rotary_attention(q, k, v, *_table(head_dim, ctx_len), positions, slots, *poisoned, ctx_len,
-                                   head_dim**-0.5, splits)  # fmt: skip
+        kc[slots[b], int(positions[b, -1]) + 1 :] = float("nan")
+        vc[slots[b], int(positions[b, -1]) + 1 :] = float("nan")
+    again = fused.attention(q, kc, vc, slots, positions, ctx_len, scale, num_splits=splits)
     assert torch.equal(again, got)
-
-
-def _table(head_dim, length):
-    return RotaryEmbedding(head_dim, 10000.0, None, device=DEVICE).table(length)
-
-
-def test_rotary_table_is_the_per_position_angle():
-    """Row p of the table is position p's cos / sin of p * inv_freq (the HF rotate-half angles)."""
-    rope = RotaryEmbedding(32, 10000.0, None)
-    cos, sin = rope.table(50)
-    assert cos.shape == sin.shape == (50, 16) and cos.dtype == torch.float32
-    angle = torch.arange(50).float()[:, None] * rope.inv_freq
-    assert torch.equal(cos, angle.cos()) and torch.equal(sin, angle.sin())
-    assert rope.table(20)[0] is cos  # long enough: kept, not rebuilt
 
 
 def _branch_case(dtype, seq, heads, head_dim=32):
@@ -146,15 +123,14 @@ def _branch_case(dtype, seq, heads, head_dim=32):
     with seq > 1 rows, keys of the row's own positions too)."""
     g = torch.Generator().manual_seed(7)
     kv_heads, max_len = 2, 160
-    qkv = torch.randn(4, seq, heads + 2 * kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=2)
+    q = torch.randn(4, seq, heads, head_dim, generator=g).to(dtype).to(DEVICE)
     caches = [torch.randn(8, max_len, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE) for _ in "kv"]
     starts = torch.tensor([0, 9, 70, 129], device=DEVICE)
     positions = starts[:, None] + torch.arange(seq, device=DEVICE)
     slots = torch.tensor([4, 0, 2, 5], device=DEVICE)
     prefix_slots = torch.tensor([1, 3, 6, 7], device=DEVICE)  # each row's own prefix slot: see the poisoning
     prefix_len = torch.tensor([0, 9, 66, 130], device=DEVICE)
-    return q, k, v, caches, positions, slots, prefix_slots, prefix_len, max_len
+    return q, caches, positions, slots, prefix_slots, prefix_len, max_len
 
 
 @pytest.mark.parametrize(
@@ -167,29 +143,25 @@ def _branch_case(dtype, seq, heads, head_dim=32):
         (torch.bfloat16, 2, 4, 2),
     ],
 )
-def test_rotary_attention_with_prefix_slots_matches_reference(dtype, seq, heads, splits):
-    q, k, v, caches, positions, slots, prefix_slots, prefix_len, ctx_len = _branch_case(dtype, seq, heads)
+def test_attention_with_prefix_slots_matches_reference(dtype, seq, heads, splits):
+    q, (kc, vc), positions, slots, prefix_slots, prefix_len, ctx_len = _branch_case(dtype, seq, heads)
+    scale = 32**-0.5
     prefix = dict(prefix_slots=prefix_slots, prefix_len=prefix_len)
-    (got, got_k, got_v), (want, want_k, want_v) = _run_both(
-        q, k, v, caches, positions, slots, ctx_len, splits, 32, **prefix
-    )
+    got = fused.attention(q, kc, vc, slots, positions, ctx_len, scale, num_splits=splits, **prefix)
+    want = fused.attention_reference(q, kc, vc, slots, positions, ctx_len, scale, **prefix)
     torch.testing.assert_close(got.float(), want.float(), rtol=_tol(dtype), atol=_tol(dtype))
-    torch.testing.assert_close(got_k.float(), want_k.float(), rtol=_tol(dtype), atol=_tol(dtype))
-    assert torch.equal(got_v, want_v)
-    (plain, _, _), _ = _run_both(q, k, v, caches, positions, slots, ctx_len, splits, 32)
+    plain = fused.attention(q, kc, vc, slots, positions, ctx_len, scale, num_splits=splits)
     assert not torch.allclose(got[1:].float(), plain[1:].float())  # the prefix did change what was read
     assert torch.equal(got[0], plain[0])  # prefix_len 0: a plain row
-    # Each key is read from one slot only: poisoning the other slot's copy of it changes nothing (this
-    # step's own keys below prefix_len included: a branch row reads those from the prefix slot).
+    # Each key is read from one slot only: poisoning the other slot's copy of it changes nothing.
     for b in range(q.shape[0]):
         n = int(prefix_len[b])
-        for cache in caches:
+        for cache in (kc, vc):
             cache[slots[b], :n] = float("nan")
             cache[prefix_slots[b], n:] = float("nan")
-    (again, _, _), (again_ref, _, _) = _run_both(
-        q, k, v, caches, positions, slots, ctx_len, splits, 32, **prefix
-    )
+    again = fused.attention(q, kc, vc, slots, positions, ctx_len, scale, num_splits=splits, **prefix)
     assert torch.equal(again, got)
+    again_ref = fused.attention_reference(q, kc, vc, slots, positions, ctx_len, scale, **prefix)
     assert torch.equal(again_ref, want)
 
 
@@ -197,9 +169,7 @@ def test_rotary_attention_with_prefix_slots_matches_reference(dtype, seq, heads,
 def test_attention_reference_prefix_equals_copied_prefix(seq):
     """The semantics, independent of the kernel: reading keys < prefix_len[b] from prefix_slots[b] is the
     plain attention on a cache where they were copied into the row's own slot."""
-    q, _, _, (kc, vc), positions, slots, prefix_slots, prefix_len, ctx_len = _branch_case(
-        torch.float32, seq, 4
-    )
+    q, (kc, vc), positions, slots, prefix_slots, prefix_len, ctx_len = _branch_case(torch.float32, seq, 4)
     scale = 32**-0.5
     got = fused.attention_reference(
         q, kc, vc, slots, positions, ctx_len, scale, prefix_slots=prefix_slots, prefix_len=prefix_len

@@ -1,6 +1,5 @@
-"""Fused kernels for the GPU forward: (residual-add +) RMSNorm, SiLU-and-mul, and one kernel for rotary,
-the KV-cache write and decode / verify attention over the live KV of each row (split-KV, flash-decoding
-style; this step's keys come straight from the qkv output, so no kernel writes the cache ahead of it).
+"""Fused kernels for the GPU forward: (residual-add +) RMSNorm, SiLU-and-mul, rotary + KV-cache write,
+and decode / verify attention over the live KV of each row (split-KV, flash-decoding style).
 
 In eager PyTorch each is a chain of small kernels (upcast, square, mean, rsqrt, scale, downcast, weight;
 split, negate, concat, products, index_put; gather of the cache, two matmuls, mask, softmax). At small
@@ -212,6 +211,90 @@ def silu_and_mul_reference(x: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+@triton.jit
+def _rotary_cache_kernel(
+    q_ptr,  # [tokens, num_heads, head_dim], token stride q_stride, heads contiguous
+    k_ptr,  # [tokens, num_kv_heads, head_dim], token stride k_stride
+    v_ptr,  # [tokens, num_kv_heads, head_dim], token stride v_stride
+    cos_ptr,  # [tokens, head_dim] fp32 contiguous
+    sin_ptr,  # [tokens, head_dim] fp32 contiguous
+    pos_ptr,  # [tokens] int64 (row-major [B, L])
+    slot_ptr,  # [B] int64
+    q_out_ptr,  # [tokens, num_heads, head_dim] contiguous, q's dtype
+    k_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
+    v_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
+    q_stride,
+    k_stride,
+    v_stride,
+    seq_len,
+    num_heads,
+    num_kv_heads,
+    max_len,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _kernel_start(PDL)
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # [0, num_heads): a query head; [num_heads, num_heads + num_kv_heads): K and V
+    d = tl.arange(0, BLOCK)
+    mask = d < HALF
+    c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
+    c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
+    s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
+    s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
+    if head < num_heads:
+        src = q_ptr + token * q_stride + head * 2 * HALF
+        dst = q_out_ptr + (token * num_heads + head) * 2 * HALF
+    else:
+        kv_head = head - num_heads
+        pos = tl.load(pos_ptr + token)
+        slot = tl.load(slot_ptr + token // seq_len)
+        cache_off = ((slot * max_len + pos) * num_kv_heads + kv_head) * 2 * HALF
+        src = k_ptr + token * k_stride + kv_head * 2 * HALF
+        dst = k_cache_ptr + cache_off
+        v_src = v_ptr + token * v_stride + kv_head * 2 * HALF
+        tl.store(v_cache_ptr + cache_off + d, tl.load(v_src + d, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + cache_off + HALF + d, tl.load(v_src + HALF + d, mask=mask), mask=mask)
+    x1 = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + d, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=mask)
+
+
+def rotary_and_cache(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+) -> Tensor:
+    """Rotates q and k and writes k, v into the cache at (slots[b], positions[b, l]); returns rotated q.
+
+    q [B, L, H, D], k, v [B, L, Hkv, D] (views into one qkv output are fine: only the last two dims
+    must be contiguous); cos, sin [B, L, 1, D] fp32; positions [B, L]; slots [B]. One kernel.
+    """
+    bsz, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    tokens = bsz * seq
+    out = torch.empty((bsz, seq, heads, head_dim), dtype=q.dtype, device=q.device)
+    if tokens:
+        for t in (q, k, v):
+            assert t.stride(-1) == 1 and t.stride(-2) == head_dim and t.stride(0) == seq * t.stride(1)
+        half = head_dim // 2
+        _rotary_cache_kernel[(tokens, heads + kv_heads)](
+            q, k, v, cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous(),
+            positions.reshape(tokens).contiguous(), slots, out, k_cache, v_cache,
+            q.stride(1), k.stride(1), v.stride(1), seq, heads, kv_heads, k_cache.shape[1],
+            HALF=half, BLOCK=triton.next_power_of_2(half), **launch_options(q),
+        )  # fmt: skip
+    return out
+
+
 def rotary_and_cache_reference(
     q: Tensor,
     k: Tensor,
@@ -223,95 +306,31 @@ def rotary_and_cache_reference(
     k_cache: Tensor,
     v_cache: Tensor,
 ) -> Tensor:
-    """Rotates q and k at `positions` (cos, sin: `RotaryEmbedding.table`, [>= max position + 1,
-    head_dim // 2]), writes the rotated k and v into the cache at (slots[b], positions[b, l]) and
-    returns the rotated q, each in q's dtype."""
     rows = slots.unsqueeze(1)
-    c, s = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)  # [B, L, 1, head_dim // 2]
-    c, s = torch.cat((c, c), dim=-1), torch.cat((s, s), dim=-1)
-    k_cache[rows, positions] = apply_rotary_reference(k, c, s)
+    k_cache[rows, positions] = apply_rotary_reference(k, cos, sin)
     v_cache[rows, positions] = v
-    return apply_rotary_reference(q, c, s)
+    return apply_rotary_reference(q, cos, sin)
 
 
 @triton.jit
-def _rotate(
-    ptr,  # [rows, head_dim] row r at ptr + off[r]: one head of q or k, not yet rotated
-    off,  # [R] int64 element offsets of the rows
-    cos_ptr,  # fp32 [positions, HALF]
-    sin_ptr,  # fp32 [positions, HALF]
-    pos,  # [R] the rows' positions
-    valid,  # [R] bool
-    HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    DTYPE: tl.constexpr,
-):
-    # HF rotate-half: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s) in fp32, rounded to the model dtype as the
-    # reference (and the KV cache) holds it. Returns the two halves, [R, BLOCK_H] each.
-    h = tl.arange(0, BLOCK_H)
-    mask = valid[:, None] & (h < HALF)[None, :]
-    x1 = tl.load(ptr + off[:, None] + h[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + off[:, None] + HALF + h[None, :], mask=mask, other=0.0).to(tl.float32)
-    angle = pos.to(tl.int64)[:, None] * HALF + h[None, :]
-    c = tl.load(cos_ptr + angle, mask=mask, other=0.0)
-    s = tl.load(sin_ptr + angle, mask=mask, other=0.0)
-    return (x1 * c - x2 * s).to(DTYPE), (x2 * c + x1 * s).to(DTYPE)
-
-
-@triton.jit
-def _scores(q1, q2, k1, k2, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    # q [M, half] x2, k [N, half] x2 -> [M, N] fp32 q.k over the whole head: one accumulation chain,
-    # first half then second, as a single dot over head_dim would run it.
-    if DOT_FP32:
-        acc = tl.dot(q1.to(tl.float32), tl.trans(k1.to(tl.float32)), input_precision="ieee")
-        return tl.dot(q2.to(tl.float32), tl.trans(k2.to(tl.float32)), acc, input_precision="ieee")
-    acc = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
-    return tl.dot(q2, tl.trans(k2), acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    # Online softmax over one block of keys: s [M, N] scaled scores (-inf where masked), v [N, D].
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep zeros
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if DOT_FP32:
-        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l_i, acc * alpha[:, None] + pv
-
-
-@triton.jit
-def _rotary_attention_kernel(
-    q_ptr,  # [B, L, num_heads, head_dim], token stride q_stride (a view into the qkv output), not rotated
-    k_ptr,  # [B, L, num_kv_heads, head_dim], token stride k_stride: this step's keys, not rotated
-    v_ptr,  # [B, L, num_kv_heads, head_dim], token stride v_stride: this step's values
-    cos_ptr,  # fp32 [positions, HALF] (RotaryEmbedding.table)
-    sin_ptr,  # fp32 [positions, HALF]
-    k_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]: read below pos[b, 0], this step's written
+def _attention_kernel(
+    q_ptr,  # [B, L, num_heads, head_dim] contiguous
+    k_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
     v_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
-    pos_ptr,  # [B, L] int64 contiguous, increasing along L
+    pos_ptr,  # [B, L] int64 contiguous, non-decreasing along L
     slot_ptr,  # [B] int64
     prefix_slot_ptr,  # [B] int64: the slot of row b's keys below prefix_len[b] (read only when HAS_PREFIX)
     prefix_len_ptr,  # [B] int64: keys at positions < prefix_len[b] come from prefix_slot[b] (HAS_PREFIX)
     out_ptr,  # SPLITS == 1: [B, L, num_heads, head_dim] q's dtype; else fp32 [B, L, heads, SPLITS, head_dim]
     lse_ptr,  # fp32 [B, L, num_heads, SPLITS] log2-sum-exp of each split (only when SPLITS > 1)
     qk_scale,  # softmax scale * log2(e)
-    q_stride,
-    k_stride,
-    v_stride,
     seq_len,
     num_heads,
     num_kv_heads,
     max_len,
-    chunk,  # cached keys per split, a multiple of BLOCK_N
+    chunk,  # keys per split, a multiple of BLOCK_N
     GROUP: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,  # HEAD_DIM // 2
-    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -323,10 +342,7 @@ def _rotary_attention_kernel(
 ):
     _kernel_start(PDL)
     # One program: the GROUP * L query rows of one (row b, KV head) that fall in block `pid(1)`, against
-    # the cached keys of split `pid(2)`; the last split also takes this step's L keys, straight from the
-    # qkv output (rotated here), so no kernel has to write the cache before attention reads it. GQA
-    # without repeating K/V: the group's query heads are extra rows.
-    dtype = k_cache_ptr.dtype.element_ty  # the model dtype
+    # the keys of split `pid(2)`. GQA without repeating K/V: the group's query heads are extra rows.
     b = tl.program_id(0) // num_kv_heads
     kv_head = tl.program_id(0) % num_kv_heads
     split = tl.program_id(2)
@@ -334,78 +350,54 @@ def _rotary_attention_kernel(
     m_valid = m < GROUP * seq_len
     tok = m % seq_len
     head = kv_head * GROUP + m // seq_len
-    h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
+    q_off = ((b * seq_len + tok) * num_heads + head).to(tl.int64) * HEAD_DIM
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=m_valid[:, None] & d_valid[None, :], other=0.0)
     q_pos = tl.load(pos_ptr + b * seq_len + tok, mask=m_valid, other=-1)
-    q_off = (b * seq_len + tok).to(tl.int64) * q_stride + head * HEAD_DIM
-    q1, q2 = _rotate(q_ptr, q_off, cos_ptr, sin_ptr, q_pos, m_valid, HALF, BLOCK_H, dtype)
+    # Only the live keys: none past the last query position of this block (reads no stale or empty KV).
+    start = split * chunk
+    end = tl.minimum(start + chunk, tl.max(q_pos, axis=0) + 1)
     slot = tl.load(slot_ptr + b)
-    first_pos = tl.load(pos_ptr + b * seq_len)  # this step's keys start here
     kv_base = slot * max_len * num_kv_heads * HEAD_DIM + kv_head * HEAD_DIM
     row_stride = num_kv_heads * HEAD_DIM
-    prefix_len = 0
     if HAS_PREFIX:
         # A branch row shares its first prefix_len keys with another request's slot instead of holding a
-        # copy: those keys are read there, the rest in `slot`.
+        # copy: those keys are read there, the rest (its own tokens, written by rotary_and_cache) in `slot`.
         prefix_slot = tl.load(prefix_slot_ptr + b)
         prefix_len = tl.load(prefix_len_ptr + b)
         prefix_base = prefix_slot * max_len * num_kv_heads * HEAD_DIM + kv_head * HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # 1. Cached keys: only live ones (none past the block's last query), and of `slot` only those below
-    # this step's (which the writer program below may be storing meanwhile).
-    start = split * chunk
-    end = tl.minimum(tl.minimum(start + chunk, tl.max(q_pos, axis=0) + 1), tl.maximum(first_pos, prefix_len))
     for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_valid = n < end
         if HAS_PREFIX:
             # Per key: a block may straddle prefix_len, so its keys can come from two slots.
-            row = tl.where(n < prefix_len, prefix_base, kv_base) + n.to(tl.int64) * row_stride
+            base = tl.where(n < prefix_len, prefix_base, kv_base)
+            kv_off = base[:, None] + n.to(tl.int64)[:, None] * row_stride + d[None, :]
         else:
-            row = kv_base + n.to(tl.int64) * row_stride
-        half_mask = n_valid[:, None] & (h < HALF)[None, :]
-        k1 = tl.load(k_cache_ptr + row[:, None] + h[None, :], mask=half_mask, other=0.0)
-        k2 = tl.load(k_cache_ptr + row[:, None] + HALF + h[None, :], mask=half_mask, other=0.0)
-        s = _scores(q1, q2, k1, k2, PRECISION, DOT_FP32) * qk_scale
+            kv_off = kv_base + n.to(tl.int64)[:, None] * row_stride + d[None, :]
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * qk_scale
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(n_valid[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        v = tl.load(
-            v_cache_ptr + row[:, None] + d[None, :], mask=n_valid[:, None] & d_valid[None, :], other=0.0
-        )
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION, DOT_FP32)
-    # 2. This step's keys (last split): token l at position pos[b, l], seen by queries at or past it.
-    # Below prefix_len a branch row reads the prefix slot's key instead (loop 1 took those).
-    if split == SPLITS - 1:
-        toks = tl.max(tl.where(m_valid, tok, 0), axis=0) + 1  # later tokens are past every query here
-        for l0 in range(0, toks, BLOCK_N):
-            n_tok = l0 + tl.arange(0, BLOCK_N)
-            k_pos = tl.load(pos_ptr + b * seq_len + n_tok, mask=n_tok < toks, other=0)
-            use = (n_tok < toks) & (k_pos >= prefix_len)
-            k_off = (b * seq_len + n_tok).to(tl.int64) * k_stride + kv_head * HEAD_DIM
-            k1, k2 = _rotate(k_ptr, k_off, cos_ptr, sin_ptr, k_pos, use, HALF, BLOCK_H, dtype)
-            s = _scores(q1, q2, k1, k2, PRECISION, DOT_FP32) * qk_scale
-            s = tl.where(use[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-            v_off = (b * seq_len + n_tok).to(tl.int64) * v_stride + kv_head * HEAD_DIM
-            v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=use[:, None] & d_valid[None, :], other=0.0)
-            m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, PRECISION, DOT_FP32)
-        # The writer: one program per (row b, KV head) stores this step's rotated keys and values.
-        if tl.program_id(1) == 0:
-            for l0 in range(0, seq_len, BLOCK_N):
-                n_tok = l0 + tl.arange(0, BLOCK_N)
-                valid = n_tok < seq_len
-                k_pos = tl.load(pos_ptr + b * seq_len + n_tok, mask=valid, other=0)
-                k_off = (b * seq_len + n_tok).to(tl.int64) * k_stride + kv_head * HEAD_DIM
-                k1, k2 = _rotate(k_ptr, k_off, cos_ptr, sin_ptr, k_pos, valid, HALF, BLOCK_H, dtype)
-                dst = kv_base + k_pos.to(tl.int64) * row_stride
-                half_mask = valid[:, None] & (h < HALF)[None, :]
-                tl.store(k_cache_ptr + dst[:, None] + h[None, :], k1, mask=half_mask)
-                tl.store(k_cache_ptr + dst[:, None] + HALF + h[None, :], k2, mask=half_mask)
-                v_off = (b * seq_len + n_tok).to(tl.int64) * v_stride + kv_head * HEAD_DIM
-                full_mask = valid[:, None] & d_valid[None, :]
-                v = tl.load(v_ptr + v_off[:, None] + d[None, :], mask=full_mask, other=0.0)
-                tl.store(v_cache_ptr + dst[:, None] + d[None, :], v, mask=full_mask)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep zeros
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     row = (b * seq_len + tok) * num_heads + head
     if SPLITS == 1:
@@ -454,32 +446,23 @@ def _num_splits(q: Tensor, programs: int, ctx_len: int, block_n: int) -> int:
     return max(1, min(want, triton.cdiv(ctx_len, 2 * block_n)))
 
 
-def rotary_attention(
+def attention(
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor,
-    slots: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    slots: Tensor,
+    positions: Tensor,
     ctx_len: int,
     scale: float,
     num_splits: int | None = None,
     prefix_slots: Tensor | None = None,
     prefix_len: Tensor | None = None,
 ) -> Tensor:
-    """Rotary on q and k, the K/V cache write and causal attention in one kernel.
+    """Causal attention of q [B, L, H, D] (rotated) over the cached keys of each row's slot.
 
-    q [B, L, H, D], k, v [B, L, Hkv, D], not rotated (views into one qkv output are fine: only the last
-    two dims must be contiguous); cos, sin fp32 [> max position, D // 2] (`RotaryEmbedding.table`);
-    positions [B, L] increasing along L; slots [B]. Row b's rotated keys and its values are written to
-    slot slots[b] at positions[b] (as `rotary_and_cache_reference`); a query at position p sees its
-    slot's keys 0..p (as `attention_reference`), this step's own straight from q/k/v. Keys at or past
-    ctx_len are never read, nor keys past the last query position of a block (the live KV). Static
-    shapes per (B, L, ctx_len): the split count depends only on them, so the call is CUDA-graph
-    capturable. Returns [B, L, H, D] in q's dtype.
+    A query at position p sees keys 0..p of its slot; keys at or past ctx_len are never read, nor keys
+    past the last query position of a block (the live KV). Static shapes per (B, L, ctx_len): the split
+    count depends only on them, so the call is CUDA-graph capturable. Returns [B, L, H, D] in q's dtype.
 
     Branch rows: with prefix_slots, prefix_len [B] int64 (device tensors, both or neither), row b reads
     the keys and values at positions < prefix_len[b] from slot prefix_slots[b] and the rest from
@@ -499,11 +482,9 @@ def rotary_attention(
     assert has_prefix == (prefix_len is not None), "prefix_slots and prefix_len: both or neither"
     if not has_prefix:
         prefix_slots, prefix_len = slots, slots  # never read (HAS_PREFIX=False)
-    for t in (q, k, v):
-        assert t.stride(-1) == 1 and t.stride(-2) == head_dim and t.stride(0) == seq * t.stride(1)
-    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == head_dim // 2
+    q = q.contiguous()
     positions = positions.contiguous()
-    out = torch.empty((bsz, seq, heads, head_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty_like(q)
     if splits == 1:
         part, lse = out, out  # lse unused
     else:
@@ -511,14 +492,11 @@ def rotary_attention(
         lse = torch.empty((bsz, seq, heads, splits), dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = max(16, triton.next_power_of_2(head_dim))
-    half = head_dim // 2
-    _rotary_attention_kernel[(bsz * kv_heads, m_blocks, splits)](
-        q, k, v, cos, sin, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse,
-        scale * 1.4426950408889634, q.stride(1), k.stride(1), v.stride(1), seq, heads, kv_heads,
-        k_cache.shape[1], chunk,
-        GROUP=group, HEAD_DIM=head_dim, HALF=half, BLOCK_H=max(16, triton.next_power_of_2(half)),
-        BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, PRECISION=precision,
-        DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix, **launch_options(q),
+    _attention_kernel[(bsz * kv_heads, m_blocks, splits)](
+        q, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse,
+        scale * 1.4426950408889634, seq, heads, kv_heads, k_cache.shape[1], chunk,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
+        PRECISION=precision, DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix, **launch_options(q),
     )  # fmt: skip
     if splits > 1:
         _attention_combine_kernel[(bsz * seq * heads,)](
@@ -526,37 +504,6 @@ def rotary_attention(
             BLOCK_S=triton.next_power_of_2(splits), **launch_options(q),
         )  # fmt: skip
     return out
-
-
-def rotary_attention_reference(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor,
-    slots: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    ctx_len: int,
-    scale: float,
-    num_splits: int | None = None,
-    prefix_slots: Tensor | None = None,
-    prefix_len: Tensor | None = None,
-) -> Tensor:
-    """`rotary_attention` in eager torch: rotate and write the cache, then attend over it."""
-    q = rotary_and_cache_reference(q, k, v, cos, sin, positions, slots, k_cache, v_cache)
-    return attention_reference(
-        q,
-        k_cache,
-        v_cache,
-        slots,
-        positions,
-        ctx_len,
-        scale,
-        prefix_slots=prefix_slots,
-        prefix_len=prefix_len,
-    )
 
 
 def attention_reference(

@@ -40,16 +40,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, device=None):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling).to(device), persistent=False)
-        self._cos = self._sin = torch.empty(0, head_dim // 2, device=device)
 
-    def table(self, length: int) -> tuple[Tensor, Tensor]:
-        """cos, sin [>= length, head_dim // 2] fp32: row p holds position p's angles (HF's rotate-half
-        layout uses each angle for dims i and i + head_dim / 2, so half a row is the whole of it).
-
-        Built once per cache length, outside any CUDA graph (a graph's capture first runs its step
-        eagerly), so a step only reads it: no per-step cos / sin kernels. Each entry is the same
-        elementwise float(p) * inv_freq -> cos / sin a per-step computation would make."""
-        if self._cos.shape[0] < length:
-            freqs = torch.arange(length, device=self.inv_freq.device).float()[:, None] * self.inv_freq
-            self._cos, self._sin = freqs.cos(), freqs.sin()
-        return self._cos, self._sin
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """positions [B, L] -> cos, sin [B, L, 1, head_dim] in fp32, shared by all layers of a forward."""
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
+        return emb.cos(), emb.sin()

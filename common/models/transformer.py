@@ -8,10 +8,9 @@ over its slot's keys up to its own position (a "branch" row reads a prefix it sh
 request from that request's slot instead: `Transformer.forward`'s prefix). No host syncs, static shapes
 per (B, L, ctx_len).
 
-On the GPU a layer is: add+RMSNorm, qkv GEMM, rotary + KV write + attention (one kernel), o_proj,
-add+RMSNorm, gate_up GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py, launched with PDL on
-Hopper; qkv and o_proj at up to 16 rows in common/kernels/skinny.py); on the CPU the torch references
-of the same.
+On the GPU a layer is: add+RMSNorm, qkv GEMM, rotary+KV write, attention, o_proj, add+RMSNorm, gate_up
+GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py, launched with PDL on Hopper; qkv and o_proj at
+up to 16 rows in common/kernels/skinny.py); on the CPU the torch references of the same.
 """
 
 from __future__ import annotations
@@ -75,13 +74,16 @@ class Attention(nn.Module):
         q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # views: the fused kernel reads them in place
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # Rotary on q and k, the K/V cache write and attention over the live KV: one kernel on the GPU.
+        gpu = fused.on_gpu(x)
+        # Rotary on q and k and the K/V cache write in one kernel; then attention over the live KV only.
+        rotary_and_cache = fused.rotary_and_cache if gpu else fused.rotary_and_cache_reference
+        q = rotary_and_cache(q, k, v, *rope, positions, slots, k_cache, v_cache)
+        attend = fused.attention if gpu else fused.attention_reference
         # Branch rows (prefix given) read their shared prefix's KV from another slot; their own new K/V
-        # go into `slots` as for any row.
-        attend = fused.rotary_attention if fused.on_gpu(x) else fused.rotary_attention_reference
+        # went into `slots` above as for any row.
         prefix_slots, prefix_len = prefix if prefix is not None else (None, None)
         out = attend(
-            q, k, v, *rope, positions, slots, k_cache, v_cache, ctx_len, self.scale,
+            q, k_cache, v_cache, slots, positions, ctx_len, self.scale,
             prefix_slots=prefix_slots, prefix_len=prefix_len,
         )  # fmt: skip
         return self.o_proj(out.reshape(bsz, seq, nh * hd))
@@ -196,7 +198,7 @@ class Transformer(nn.Module):
         shares that prefix, not copied) and those from prefix_len[b] on in slots[b]. Its new tokens are
         still written to slots[b]; prefix_len[b] = 0 makes row b a plain row. No host syncs either way.
         """
-        rope = self.rotary.table(cache.max_len)
+        rope = self.rotary(positions)
         x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, slots, positions, cache.k[i], cache.v[i], ctx_len, prefix)
