@@ -51,8 +51,7 @@ PRESETS = {
                    num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }  # fmt: skip
 HBM_BYTES_PER_S = 4.2e12  # H200: the issue's achievable figure (4.8 TB/s peak)
-START = 100  # context already in the cache (positions START .. START + width - 1)
-MAX_BATCH, MAX_LEN = 16, 512
+MAX_BATCH = 16
 
 
 def preset_model(name: str, comm: Comm, device: torch.device) -> Transformer:
@@ -89,8 +88,11 @@ class Bench:
             self.model = load_model(args.model, comm, device=self.device, dtype=torch.bfloat16)
         else:
             self.model = preset_model(args.preset, comm, self.device)
-        self.cache = KVCache.for_model(self.model, MAX_BATCH + 1, MAX_LEN)
-        self.step = StaticStep(self._logits, MAX_BATCH, MAX_LEN, MAX_BATCH, self.device, use_graphs=True,
+        # --context: keys already in the cache (positions context .. context + width - 1 are verified)
+        self.start = args.context
+        self.max_len = max(512, 2 ** (args.context + 64).bit_length())
+        self.cache = KVCache.for_model(self.model, MAX_BATCH + 1, self.max_len)
+        self.step = StaticStep(self._logits, MAX_BATCH, self.max_len, MAX_BATCH, self.device, use_graphs=True,
                                copy_output=False)  # fmt: skip
         self.executor = TPExecutor(comm, {"verify": self.verify, "replay": self.replay, "eager": self.eager})
 
@@ -101,7 +103,7 @@ class Bench:
 
     def _batch(self, batch: int, width: int):
         rows = [[1 + b] * width for b in range(batch)]
-        return pack(rows, [START] * batch, list(range(batch)), self.device, MAX_LEN, width=width)
+        return pack(rows, [self.start] * batch, list(range(batch)), self.device, self.max_len, width=width)
 
     def verify(self, batch: int, width: int) -> torch.Tensor:
         """A service step: pack host lists, replay the graph for the bucket."""
@@ -173,7 +175,7 @@ def run_rank0(comm: Comm, args) -> dict:
     wbytes = weight_bytes(bench.model)
     floor_ms = wbytes / HBM_BYTES_PER_S * 1e3
     result = {"preset": args.preset or args.model, "tp": comm.world_size, "width": args.width,
-              "weight_bytes_per_rank": wbytes, "floor_ms": round(floor_ms, 4),
+              "context": args.context, "weight_bytes_per_rank": wbytes, "floor_ms": round(floor_ms, 4),
               "hbm_bytes_per_s": HBM_BYTES_PER_S, "batches": {}}  # fmt: skip
     for batch in args.batch:
         for _ in range(3):  # warm-up: capture, autotune, NCCL
@@ -251,6 +253,7 @@ def main() -> int:
     ap.add_argument("--width", type=int, default=5)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--context", type=int, default=100, help="keys in the cache before the verified rows")
     ap.add_argument("--profile", action="store_true", help="add the per-kernel breakdown")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--whole-step", action="store_true", help="time TargetRunner.step (needs --model)")

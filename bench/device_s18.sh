@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The eighteenth session's forward A/B on one H200 (docs/benchmarks.md, "Eighteenth session"): the GPU
+# tests of the kernels and the model, then the graphed 1.5B forward (bench/profile_step.py) of this tree
+# against a base tree ($BASE, default .wt/base: `git archive <base commit>` of everything but drafts/ and
+# docs/, carried), interleaved, $REPS rounds (the first with the per-kernel profile); every run's JSON in
+# $OUT/steps.json.
+#   mkdir -p .wt/base && git archive d06031b $(git ls-tree --name-only d06031b | grep -v '^drafts$\|^docs$') \
+#     | tar -x -C .wt/base
+#   bash bench/device_s18.sh          # run with carry [".whl", ".wt/base"]
+set -uo pipefail
+source bench/device_env.sh
+BASE=${BASE:-.wt/base}
+t0=$(date +%s)
+if [ -z "${NO_TESTS:-}" ]; then
+  python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_fused_kernels.py tests/test_cuda_graphs.py \
+    tests/test_gpu_model.py tests/test_skinny_linear.py} -k "not tp2" 2>&1 | tail -30 > "$OUT/gpu-tests.txt"
+  tail -3 "$OUT/gpu-tests.txt"; echo "tests took $(( $(date +%s) - t0 )) s"
+fi
+mkdir -p /tmp/s18
+for rep in $(seq 1 "${REPS:-2}"); do
+  prof=""; [ "$rep" = 1 ] && prof=--profile
+  for tree in new base; do
+    dir=$PWD; [ "$tree" = base ] && dir=$BASE
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir python3 bench/profile_step.py --preset qwen1.5b --batch 1 4 16 \
+      --steps 20 $prof --out "/tmp/s18/$tree-r$rep.json" 2>&1 | grep '^{"' | cut -c1-140 | sed "s/^/$tree r$rep: /")
+    echo "elapsed $(( $(date +%s) - t0 )) s"
+  done
+done
+python3 - "$OUT/steps.json" <<'PY'
+import glob, json, os, sys
+runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob("/tmp/s18/*.json"))}
+json.dump(runs, open(sys.argv[1], "w"), indent=1)
+for name, r in runs.items():
+    print(name, {b: v["graph_ms_median"] for b, v in r["batches"].items()})
+PY
+echo "all done in $(( $(date +%s) - t0 )) s"
