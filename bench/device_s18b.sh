@@ -4,8 +4,15 @@
 # cache, with each attention split given at least SPECSPLIT_ATTN_SPLIT_KEYS = $KEYS keys (128: the
 # heuristic before this session), interleaved, $REPS rounds; then the base tree ($BASE, see
 # bench/device_s18.sh) at context 100 beside them. Every run's JSON in $OUT/steps.json.
+# SPECSPLIT_ATTN_SPLIT_KEYS existed only in the tree that call ran on (9e81dfd plus, in `_num_splits`,
+# `SPLIT_KEYS = int(os.environ.get("SPECSPLIT_ATTN_SPLIT_KEYS", "256"))` in place of `2 * block_n`); main's
+# rule (f81d03c) has no knob, so on main the script refuses rather than compare one rule with itself.
 #   bash bench/device_s18b.sh         # run with carry [".whl", ".wt/base"]
 set -uo pipefail
+if ! grep -q SPECSPLIT_ATTN_SPLIT_KEYS common/kernels/fused.py; then
+  echo "common/kernels/fused.py has no SPECSPLIT_ATTN_SPLIT_KEYS knob: see this script's header" >&2
+  exit 2
+fi
 source bench/device_env.sh
 BASE=${BASE:-.wt/base}
 t0=$(date +%s)
