@@ -1,7 +1,6 @@
 """Logits from a (possibly vocab-sharded) LM head: soft-cap then scale, and the local-argmax reduction.
 
-Both paths compute the same per-element scores: raw logits (`VocabParallelEmbedding.local_logits`: for
-the model's LM head fp32 from the GEMM on the GPU, else the model dtype), cast to fp32, soft-capped,
+Both paths compute the same per-element scores: raw logits in the model dtype, cast to fp32, soft-capped,
 scaled. So `top_tokens(...)` equals `LogitsProcessor(...).argmax(-1)` bit for bit, ties included.
 """
 

@@ -57,7 +57,6 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.shard_size, dim, dtype=dtype, device=device), requires_grad=False
         )
         set_shard(self.weight, (vocab_size, dim), dim=0, start=self.shard_start)
-        self.fp32_logits = False  # the model sets it on its LM head (local_logits)
 
     def forward(self, ids: Tensor) -> Tensor:
         if self.tp_size == 1:
@@ -69,14 +68,7 @@ class VocabParallelEmbedding(nn.Module):
         return self.comm.all_reduce(out, self.site)
 
     def local_logits(self, hidden: Tensor) -> Tensor:
-        """Raw [N, shard_size] logits of this rank's vocab slice (a tied embedding serves as the LM head).
-
-        With `fp32_logits` (the model's LM head) on the GPU: fp32 straight from the GEMM's accumulator,
-        not an [N, vocab] bf16 copy rounded and then upcast by a second kernel (0.03 ms of a B=16 verify
-        step). Otherwise in the model dtype. Every user of one head (logits, local argmax, draft and
-        target) goes through here, so all of them see the same scores."""
-        if self.fp32_logits and hidden.is_cuda and hidden.dtype != torch.float32 and hidden.dim() == 2:
-            return torch.mm(hidden, self.weight.t(), out_dtype=torch.float32)
+        """Raw [N, shard_size] logits of this rank's vocab slice (a tied embedding serves as the LM head)."""
         return F.linear(hidden, self.weight)
 
 

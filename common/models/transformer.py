@@ -157,7 +157,6 @@ class Transformer(nn.Module):
             self.lm_head = ParallelLMHead(
                 config.lm_head_vocab_size, config.hidden_size, comm, disable_tp=replicate_lm_head, **kw
             )
-        self.lm_head.fp32_logits = True
         self.logits_processor = LogitsProcessor(config.final_logit_softcapping, config.logit_scale)
         self.markov_head = None
         if config.markov_rank:
