@@ -436,24 +436,13 @@ def _attention_combine_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-# Context buckets up to this many keys run attention unsplit (see `_num_splits`).
-UNSPLIT_CTX = 256
-
-
 def _num_splits(q: Tensor, programs: int, ctx_len: int, block_n: int) -> int:
-    """Split the keys (flash-decoding) until one wave of programs fills the GPU, each split at least two
-    key blocks. Measured on the H200 (docs/benchmarks.md, eighteenth session; the graphed 1.5B forward at
-    8 (B, context) points): one wave beats two at B = 16 (4 splits at context 1000: 2.02 against 2.09 ms
-    with 8), and the smallest context bucket (256) is not split at all: a step's real context there may
-    be anywhere in [0, 256], the second split is then often empty, and the combine kernel costs more
-    (~2 us per layer) than one program walking all four blocks (1.50 against 1.55 ms at B = 1)."""
-    if ctx_len <= UNSPLIT_CTX:
-        return 1
+    """Split the keys (flash-decoding) until about two waves of programs fill the GPU."""
     if q.device not in _SM_COUNT:
         _SM_COUNT[q.device] = (
             torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         )
-    want = triton.cdiv(_SM_COUNT[q.device], programs)
+    want = triton.cdiv(2 * _SM_COUNT[q.device], programs)
     return max(1, min(want, triton.cdiv(ctx_len, 2 * block_n)))
 
 
