@@ -4,6 +4,8 @@
 # $CONTEXTS keys already in the cache, and the base tree ($BASE, see bench/device_s18.sh) at its fixed
 # context of 100 beside them, interleaved, $REPS rounds (the first with the per-kernel profile). Every
 # run's JSON in $OUT/steps.json.
+# That call ran on f81d03c (the attention split rule since reverted in 8c234a7); run on main, it measures
+# main's rule at those contexts.
 #   bash bench/device_s18c.sh         # run with carry [".whl", ".wt/base"]
 set -uo pipefail
 source bench/device_env.sh

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The eighteenth session's last call on one H200 (docs/benchmarks.md, "Eighteenth session"), on main after
-# the fp32-logits revert: the model's GPU tests, the graphed 1.5B forward at context 100 of main and of
+# The eighteenth session's last call on one H200 (docs/benchmarks.md, "Eighteenth session"), on 9eccbf2
+# (f81d03c's attention split rule, since reverted in 8c234a7, without the fp32 logits): the model's GPU tests, the graphed 1.5B forward at context 100 of main and of
 # the base tree ($BASE, see bench/device_s18.sh), then the serving bench (plain target vs the draft inside
 # the target, fixed and adaptive, B = 1, 4, 16, 64; bench/device_s11.sh).
 #   bash bench/device_s18d.sh         # run with carry [".whl", ".wt/base"]
