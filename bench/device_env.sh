@@ -27,3 +27,15 @@ pyspy_services() {
   done
   wait
 }
+
+# Every bench/profile_step.py JSON in directory $1 into one file $2 (a device call returns at most 8
+# files), keyed by file name, each run's graph ms per batch printed.
+collect_steps() {
+  python3 - "$1" "$2" <<'PY'
+import glob, json, os, sys
+runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/*.json"))}
+json.dump(runs, open(sys.argv[2], "w"), indent=1)
+for name, r in runs.items():
+    print(name, {b: v["graph_ms_median"] for b, v in r["batches"].items()})
+PY
+}

@@ -26,11 +26,5 @@ for rep in $(seq 1 "${REPS:-2}"); do
     echo "elapsed $(( $(date +%s) - t0 )) s"
   done
 done
-python3 - "$OUT/steps.json" <<'PY'
-import glob, json, os, sys
-runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob("/tmp/s18/*.json"))}
-json.dump(runs, open(sys.argv[1], "w"), indent=1)
-for name, r in runs.items():
-    print(name, {b: v["graph_ms_median"] for b, v in r["batches"].items()})
-PY
+collect_steps /tmp/s18 "$OUT/steps.json"
 echo "all done in $(( $(date +%s) - t0 )) s"

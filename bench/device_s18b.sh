@@ -29,11 +29,5 @@ for rep in $(seq 1 "${REPS:-2}"); do
     --steps 20 --out "/tmp/s18b/base-ctx100-r$rep.json" 2>&1 | grep '^{"' | cut -c1-90 | sed "s/^/base r$rep: /")
   echo "elapsed $(( $(date +%s) - t0 )) s"
 done
-python3 - "$OUT/steps.json" <<'PY'
-import glob, json, os, sys
-runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob("/tmp/s18b/*.json"))}
-json.dump(runs, open(sys.argv[1], "w"), indent=1)
-for name, r in runs.items():
-    print(name, {b: v["graph_ms_median"] for b, v in r["batches"].items()})
-PY
+collect_steps /tmp/s18b "$OUT/steps.json"
 echo "all done in $(( $(date +%s) - t0 )) s"

@@ -16,11 +16,7 @@ python3 bench/profile_step.py --preset qwen1.5b --batch 1 4 16 --steps 20 --out 
   | grep '^{"' | cut -c1-90 | sed "s/^/main: /"
 (cd "$BASE" && PYTHONPATH=/tmp/site:$PWD python3 bench/profile_step.py --preset qwen1.5b --batch 1 4 16 \
   --steps 20 --out /tmp/s18d/base-ctx100.json 2>&1 | grep '^{"' | cut -c1-90 | sed "s/^/base: /")
-python3 - "$OUT/steps.json" <<'PY'
-import glob, json, os, sys
-runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob("/tmp/s18d/*.json"))}
-json.dump(runs, open(sys.argv[1], "w"), indent=1)
-PY
+collect_steps /tmp/s18d "$OUT/steps.json"
 echo "forward done in $(( $(date +%s) - t0 )) s"
 NAME=s18 MODES=plain EXTRA="--local-modes fixed adaptive" bash bench/device_s11.sh | tail -3
 echo "all done in $(( $(date +%s) - t0 )) s"
