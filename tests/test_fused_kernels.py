@@ -116,6 +116,35 @@ def test_attention_matches_reference(dtype, seq, heads, head_dim, splits):
     assert torch.equal(again, got)
 
 
+def test_attention_row_is_the_same_whatever_step_computes_it():
+    """A query's output, bit for bit, does not depend on the step around it: alone (B=1) or beside 63
+    other rows, at a context bucket of 512 or 1024 keys. Plain and verify steps that reach the same
+    position differ in exactly these, and bf16 speculative output equals plain output only if they agree
+    (`fused.split_chunk`). On the GPU also one token (a plain step) against the first of five (a verify:
+    another query-block size; the CPU interpreter's numpy matmul rounds those differently)."""
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, max_len, rows = 4, 2, 32, 1024, 64
+    kc, vc = (torch.randn(rows, max_len, kv_heads, head_dim, generator=g).to(DEVICE) for _ in "kv")
+    q = torch.randn(rows, 5, heads, head_dim, generator=g).to(DEVICE)
+    positions = torch.randint(200, 500, (rows, 1), generator=g).to(DEVICE) + torch.arange(5, device=DEVICE)
+    slots = torch.arange(rows, device=DEVICE)
+    scale = head_dim**-0.5
+
+    def first_row(b, seq, ctx_len):
+        sel = slice(0, b)
+        out = fused.attention(
+            q[sel, :seq].contiguous(), kc, vc, slots[sel], positions[sel, :seq], ctx_len, scale
+        )
+        return out[0, 0]
+
+    want = first_row(1, 1, 512)
+    for b, ctx_len in ((rows, 512), (1, 1024), (rows, 1024)):
+        assert torch.equal(first_row(b, 1, ctx_len), want), (b, ctx_len)
+    if DEVICE == "cuda":
+        assert torch.equal(first_row(rows, 5, 512), want)
+        assert torch.equal(first_row(1, 5, 1024), want)
+
+
 def _branch_case(dtype, seq, heads, head_dim=32):
     """Four rows whose first prefix_len keys live in another slot (branch rows), on a cache long enough
     (160) for two splits of 128 keys. prefix_len per row: 0 (a plain row), 9 (the row's first query

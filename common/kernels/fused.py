@@ -22,7 +22,6 @@ from torch import Tensor
 # SPECSPLIT_FUSED_KERNELS=0 falls back to the torch references on the GPU too (for A/B comparisons).
 ENABLED = os.environ.get("SPECSPLIT_FUSED_KERNELS", "1") != "0"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_SM_COUNT: dict[torch.device, int] = {}
 # Split count for attention calls outside CUDA graphs (see `eager_shapes`); None: chosen per shape.
 _EAGER_SPLITS: list[int | None] = [None]
 
@@ -31,7 +30,7 @@ _EAGER_SPLITS: list[int | None] = [None]
 def eager_shapes() -> Iterator[None]:
     """For eager forwards of any shape (a prefill, a draft's catch-up over several tokens).
 
-    The attention kernel's split count is a `tl.constexpr` chosen from (B, L, ctx_len): graphed steps
+    The attention kernel's split count is a `tl.constexpr` chosen from ctx_len: graphed steps
     have a few static shapes, all compiled at start-up, but eager forwards would compile a new variant
     for almost every new prompt length (~0.1-1 s each) in the middle of serving. Inside this context one
     split is used, so the variants reduce to the block size and the integer specialisations of L, all of
@@ -436,14 +435,25 @@ def _attention_combine_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-def _num_splits(q: Tensor, programs: int, ctx_len: int, block_n: int) -> int:
-    """Split the keys (flash-decoding) until about two waves of programs fill the GPU."""
-    if q.device not in _SM_COUNT:
-        _SM_COUNT[q.device] = (
-            torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        )
-    want = triton.cdiv(2 * _SM_COUNT[q.device], programs)
-    return max(1, min(want, triton.cdiv(ctx_len, 2 * block_n)))
+# Keys per attention split: at least SPLIT_KEYS, and at most MAX_SPLITS splits over the whole cache.
+SPLIT_KEYS, MAX_SPLITS = 128, 32
+
+
+def split_chunk(max_len: int, block_n: int) -> int:
+    """Keys per split (flash-decoding) of every graphed attention call on a cache of `max_len` positions.
+
+    One constant per cache, not per shape: a query's output then depends only on its own keys, never on
+    the batch, the width or the context bucket of the step that computes it. A plain step (1 row, the
+    bucket of p + 1) and the verify step (k + 1 rows, the bucket of p + k + 1) that reach position p must
+    sum the same key ranges in the same order, or their bf16 hidden states, and the KV every later token
+    reads, differ in the last bits. Chosen per shape (two waves of programs, before the eighteenth
+    session), the split changed between buckets where that needed fewer than ctx / 128 splits: at B=64
+    128 keys at the 256-key bucket, 192 at the 512-key one. A trial rule that left the 256-key bucket
+    unsplit did so at every batch size, and bf16 speculative output then differed from plain in every
+    B=16 sequence, the probed first divergences at positions 251-294 (docs/benchmarks.md). Empty
+    trailing splits of a longer bucket add exact zeros in the combine. 128 keys is what the per-shape
+    rule chose at B <= 16 up to 1024 keys, so those steps are unchanged."""
+    return max(SPLIT_KEYS, triton.cdiv(triton.cdiv(max_len, MAX_SPLITS), block_n) * block_n)
 
 
 def attention(
@@ -461,8 +471,10 @@ def attention(
     """Causal attention of q [B, L, H, D] (rotated) over the cached keys of each row's slot.
 
     A query at position p sees keys 0..p of its slot; keys at or past ctx_len are never read, nor keys
-    past the last query position of a block (the live KV). Static shapes per (B, L, ctx_len): the split
-    count depends only on them, so the call is CUDA-graph capturable. Returns [B, L, H, D] in q's dtype.
+    past the last query position of a block (the live KV). The keys are split in chunks of
+    `split_chunk(max_len)` (one size per cache, so a row's output does not depend on the step's shape);
+    the split count depends only on ctx_len, so the call is CUDA-graph capturable. Returns [B, L, H, D]
+    in q's dtype.
 
     Branch rows: with prefix_slots, prefix_len [B] int64 (device tensors, both or neither), row b reads
     the keys and values at positions < prefix_len[b] from slot prefix_slots[b] and the rest from
@@ -475,8 +487,10 @@ def attention(
     block_m = max(16, min(64, triton.next_power_of_2(group * seq)))
     block_n = 64
     m_blocks = triton.cdiv(group * seq, block_m)
-    splits = num_splits or _EAGER_SPLITS[0] or _num_splits(q, bsz * kv_heads * m_blocks, ctx_len, block_n)
-    chunk = triton.cdiv(triton.cdiv(ctx_len, splits), block_n) * block_n
+    if num_splits or _EAGER_SPLITS[0]:  # a given count (tests, eager forwards): even chunks
+        chunk = triton.cdiv(triton.cdiv(ctx_len, num_splits or _EAGER_SPLITS[0]), block_n) * block_n
+    else:
+        chunk = split_chunk(k_cache.shape[1], block_n)
     splits = triton.cdiv(ctx_len, chunk)
     has_prefix = prefix_slots is not None
     assert has_prefix == (prefix_len is not None), "prefix_slots and prefix_len: both or neither"
