@@ -322,6 +322,8 @@ def _attention_kernel(
     prefix_len_ptr,  # [B] int64: keys at positions < prefix_len[b] come from prefix_slot[b] (HAS_PREFIX)
     out_ptr,  # SPLITS == 1: [B, L, num_heads, head_dim] q's dtype; else fp32 [B, L, heads, SPLITS, head_dim]
     lse_ptr,  # fp32 [B, L, num_heads, SPLITS] log2-sum-exp of each split (only when SPLITS > 1)
+    final_ptr,  # [B, L, num_heads, head_dim] q's dtype: the combined output (only when FUSED_COMBINE)
+    count_ptr,  # int32 [>= B * num_kv_heads * query blocks], zero between launches (only when FUSED_COMBINE)
     qk_scale,  # softmax scale * log2(e)
     seq_len,
     num_heads,
@@ -337,6 +339,7 @@ def _attention_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16/fp16 tl.dot is wrong: upcast there
     HAS_PREFIX: tl.constexpr,  # branch rows: a shared prefix read from another slot (False: plain rows)
+    FUSED_COMBINE: tl.constexpr,  # SPLITS > 1: the last split program of a block combines (no second kernel)
     PDL: tl.constexpr,
 ):
     _kernel_start(PDL)
@@ -409,6 +412,17 @@ def _attention_kernel(
         )
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=m_valid)
+        if FUSED_COMBINE:
+            # Every thread's partial is stored before the ticket; the program that draws the last ticket
+            # of its (row b, KV head, query block) sees every split's partial (acquire, L2 loads) and
+            # combines them in split order, whichever finished last; then it re-arms the counter.
+            tl.debug_barrier()
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+            if ticket == SPLITS - 1:
+                _combine_splits(out_ptr, lse_ptr, final_ptr, row.to(tl.int64), m_valid, d, d_valid,
+                                HEAD_DIM, SPLITS, BLOCK_M, BLOCK_D)  # fmt: skip
+                tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit
@@ -435,6 +449,39 @@ def _attention_combine_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+@triton.jit
+def _combine_splits(
+    part_ptr,  # fp32 [rows, SPLITS, head_dim]: each split's normalised output
+    lse_ptr,  # fp32 [rows, SPLITS]
+    out_ptr,  # [rows, head_dim] q's dtype
+    row,  # [BLOCK_M] int64 rows to combine
+    row_valid,  # [BLOCK_M]
+    d,  # [BLOCK_D] arange
+    d_valid,  # [BLOCK_D]
+    HEAD_DIM: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # `_attention_combine_kernel` for BLOCK_M rows inside the attention kernel: the splits summed one by
+    # one in order, so trailing empty splits (weight 0) add exact zeros. .cg: from L2, where the other
+    # programs' partials are (L1 is not coherent).
+    lse_at = lse_ptr + row * SPLITS
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in range(SPLITS):
+        top = tl.maximum(top, tl.load(lse_at + s, mask=row_valid, other=0.0, cache_modifier=".cg"))
+    num = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    mask = row_valid[:, None] & d_valid[None, :]
+    for s in range(SPLITS):
+        w = tl.exp2(tl.load(lse_at + s, mask=row_valid, other=0.0, cache_modifier=".cg") - top)
+        at = part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :]
+        num += tl.load(at, mask=mask, other=0.0, cache_modifier=".cg") * w[:, None]
+        den += w
+    out = (num / den[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
+
+
 # Keys per attention split: at least SPLIT_KEYS, and at most MAX_SPLITS splits over the whole cache.
 SPLIT_KEYS, MAX_SPLITS = 128, 32
 
@@ -454,6 +501,25 @@ def split_chunk(max_len: int, block_n: int) -> int:
     trailing splits of a longer bucket add exact zeros in the combine. 128 keys is what the per-shape
     rule chose at B <= 16 up to 1024 keys, so those steps are unchanged."""
     return max(SPLIT_KEYS, triton.cdiv(triton.cdiv(max_len, MAX_SPLITS), block_n) * block_n)
+
+
+# SPECSPLIT_ATTN_FUSED_COMBINE=1: split attention combines inside its own kernel (opt-in until measured on
+# the H200: docs/benchmarks.md, eighteenth session).
+FUSED_COMBINE = os.environ.get("SPECSPLIT_ATTN_FUSED_COMBINE", "0") == "1"
+_COUNTERS: dict[int, Tensor] = {}
+_COUNTERS_PER_CACHE = 1 << 16
+
+
+def _split_counters(k_cache: Tensor, tiles: int) -> Tensor | None:
+    """The zeroed int32 tickets of a fused-combine launch on this cache (one per query block; the last
+    program of each re-arms its counter). One buffer per cache, made on its first split launch: that is
+    an eager forward or a capture's warm-up run, never inside a graph; a cache's layers run one after
+    another, and the draft and the target own different caches. None (the combine kernel instead) when a
+    launch has more query blocks than the buffer holds."""
+    key = k_cache.data_ptr()
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(_COUNTERS_PER_CACHE, dtype=torch.int32, device=k_cache.device)
+    return _COUNTERS[key] if tiles <= _COUNTERS_PER_CACHE else None
 
 
 def attention(
@@ -506,13 +572,16 @@ def attention(
         lse = torch.empty((bsz, seq, heads, splits), dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = max(16, triton.next_power_of_2(head_dim))
+    counters = _split_counters(k_cache, bsz * kv_heads * m_blocks) if splits > 1 and FUSED_COMBINE else None
     _attention_kernel[(bsz * kv_heads, m_blocks, splits)](
-        q, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse,
-        scale * 1.4426950408889634, seq, heads, kv_heads, k_cache.shape[1], chunk,
+        q, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse, out,
+        counters if counters is not None else slots, scale * 1.4426950408889634, seq, heads, kv_heads,
+        k_cache.shape[1], chunk,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=precision, DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix, **launch_options(q),
+        PRECISION=precision, DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix, FUSED_COMBINE=counters is not None,
+        **launch_options(q),
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and counters is None:
         _attention_combine_kernel[(bsz * seq * heads,)](
             part, lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits,
             BLOCK_S=triton.next_power_of_2(splits), **launch_options(q),
