@@ -22,7 +22,7 @@ from torch import Tensor
 # SPECSPLIT_FUSED_KERNELS=0 falls back to the torch references on the GPU too (for A/B comparisons).
 ENABLED = os.environ.get("SPECSPLIT_FUSED_KERNELS", "1") != "0"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Split count for attention calls outside CUDA graphs (see `eager_shapes`); None: chosen per shape.
+# Split count for attention calls outside CUDA graphs (see `eager_shapes`); None: `split_chunk` keys each.
 _EAGER_SPLITS: list[int | None] = [None]
 
 
@@ -506,7 +506,7 @@ def split_chunk(max_len: int, block_n: int) -> int:
 # SPECSPLIT_ATTN_FUSED_COMBINE=1: split attention combines inside its own kernel (opt-in until measured on
 # the H200: docs/benchmarks.md, eighteenth session).
 FUSED_COMBINE = os.environ.get("SPECSPLIT_ATTN_FUSED_COMBINE", "0") == "1"
-_COUNTERS: dict[int, Tensor] = {}
+_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
 _COUNTERS_PER_CACHE = 1 << 16
 
 
@@ -516,7 +516,7 @@ def _split_counters(k_cache: Tensor, tiles: int) -> Tensor | None:
     an eager forward or a capture's warm-up run, never inside a graph; a cache's layers run one after
     another, and the draft and the target own different caches. None (the combine kernel instead) when a
     launch has more query blocks than the buffer holds."""
-    key = k_cache.data_ptr()
+    key = (k_cache.device, k_cache.data_ptr())
     if key not in _COUNTERS:
         _COUNTERS[key] = torch.zeros(_COUNTERS_PER_CACHE, dtype=torch.int32, device=k_cache.device)
     return _COUNTERS[key] if tiles <= _COUNTERS_PER_CACHE else None
