@@ -482,8 +482,9 @@ def _combine_splits(
     tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
 
 
-# Keys per attention split: at least SPLIT_KEYS, and at most MAX_SPLITS splits over the whole cache.
-SPLIT_KEYS, MAX_SPLITS = 128, 32
+# Keys per attention split: at least SPLIT_KEYS, and at most MAX_SPLITS splits over the whole cache (128
+# keys up to the services' default 4096-token context).
+SPLIT_KEYS, MAX_SPLITS = 128, 64
 
 
 def split_chunk(max_len: int, block_n: int) -> int:
@@ -498,8 +499,9 @@ def split_chunk(max_len: int, block_n: int) -> int:
     128 keys at the 256-key bucket, 192 at the 512-key one. A trial rule that left the 256-key bucket
     unsplit did so at every batch size, and bf16 speculative output then differed from plain in every
     B=16 sequence, the probed first divergences at positions 251-294 (docs/benchmarks.md). Empty
-    trailing splits of a longer bucket add exact zeros in the combine. 128 keys is what the per-shape
-    rule chose at B <= 16 up to 1024 keys, so those steps are unchanged."""
+    trailing splits of a longer bucket add exact zeros in the combine. On caches of up to 8192 positions
+    the chunk is 128 keys, what the per-shape rule chose at B <= 16 up to 1024 keys: those steps are
+    unchanged."""
     return max(SPLIT_KEYS, triton.cdiv(triton.cdiv(max_len, MAX_SPLITS), block_n) * block_n)
 
 
