@@ -535,6 +535,7 @@ def attention(
     num_splits: int | None = None,
     prefix_slots: Tensor | None = None,
     prefix_len: Tensor | None = None,
+    block_m: int | None = None,
 ) -> Tensor:
     """Causal attention of q [B, L, H, D] (rotated) over the cached keys of each row's slot.
 
@@ -548,11 +549,14 @@ def attention(
     the keys and values at positions < prefix_len[b] from slot prefix_slots[b] and the rest from
     slots[b], so a row diverging from another request after a shared prefix needs no copy of it. A row
     with prefix_len 0 is a plain row. Without them the kernel compiles to the plain variant (HAS_PREFIX).
+
+    num_splits, block_m: force the split count / query rows per program (tests and
+    bench/attention_invariance.py); by default chunks of `split_chunk` keys and the rows of the step.
     """
     bsz, seq, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    block_m = max(16, min(64, triton.next_power_of_2(group * seq)))
+    block_m = block_m or max(16, min(64, triton.next_power_of_2(group * seq)))
     block_n = 64
     m_blocks = triton.cdiv(group * seq, block_m)
     if num_splits or _EAGER_SPLITS[0]:  # a given count (tests, eager forwards): even chunks
