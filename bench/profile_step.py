@@ -90,6 +90,7 @@ class Bench:
             self.model = preset_model(args.preset, comm, self.device)
         # --context: keys already in the cache (positions context .. context + width - 1 are verified)
         self.start = args.context
+        # a power of two with room for the verified rows; 512 (split_chunk 128) as before at context 100
         self.max_len = max(512, 2 ** (args.context + 64).bit_length())
         self.cache = KVCache.for_model(self.model, MAX_BATCH + 1, self.max_len)
         self.step = StaticStep(self._logits, MAX_BATCH, self.max_len, MAX_BATCH, self.device, use_graphs=True,

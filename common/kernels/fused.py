@@ -559,8 +559,9 @@ def attention(
     block_m = block_m or max(16, min(64, triton.next_power_of_2(group * seq)))
     block_n = 64
     m_blocks = triton.cdiv(group * seq, block_m)
-    if num_splits or _EAGER_SPLITS[0]:  # a given count (tests, eager forwards): even chunks
-        chunk = triton.cdiv(triton.cdiv(ctx_len, num_splits or _EAGER_SPLITS[0]), block_n) * block_n
+    forced = num_splits or _EAGER_SPLITS[0]
+    if forced:  # a given count (tests, eager forwards): even chunks
+        chunk = triton.cdiv(triton.cdiv(ctx_len, forced), block_n) * block_n
     else:
         chunk = split_chunk(k_cache.shape[1], block_n)
     splits = triton.cdiv(ctx_len, chunk)
