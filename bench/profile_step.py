@@ -92,8 +92,11 @@ class Bench:
         self.start = args.context
         # a power of two with room for the verified rows; 512 (split_chunk 128) as before at context 100
         self.max_len = max(512, 2 ** (args.context + 64).bit_length())
-        self.cache = KVCache.for_model(self.model, MAX_BATCH + 1, self.max_len)
-        self.step = StaticStep(self._logits, MAX_BATCH, self.max_len, MAX_BATCH, self.device, use_graphs=True,
+        # one slot per row (the largest --batch; at least MAX_BATCH's buckets, as before) + a scratch slot:
+        # a row past the cache's slots would write outside it (the kernels do not bound-check slots)
+        max_batch = max(MAX_BATCH, *args.batch)
+        self.cache = KVCache.for_model(self.model, max_batch + 1, self.max_len)
+        self.step = StaticStep(self._logits, max_batch, self.max_len, max_batch, self.device, use_graphs=True,
                                copy_output=False)  # fmt: skip
         self.executor = TPExecutor(comm, {"verify": self.verify, "replay": self.replay, "eager": self.eager})
 

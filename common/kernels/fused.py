@@ -322,8 +322,6 @@ def _attention_kernel(
     prefix_len_ptr,  # [B] int64: keys at positions < prefix_len[b] come from prefix_slot[b] (HAS_PREFIX)
     out_ptr,  # SPLITS == 1: [B, L, num_heads, head_dim] q's dtype; else fp32 [B, L, heads, SPLITS, head_dim]
     lse_ptr,  # fp32 [B, L, num_heads, SPLITS] log2-sum-exp of each split (only when SPLITS > 1)
-    final_ptr,  # [B, L, num_heads, head_dim] q's dtype: the combined output (only when FUSED_COMBINE)
-    count_ptr,  # int32 [>= B * num_kv_heads * query blocks], zero between launches (only when FUSED_COMBINE)
     qk_scale,  # softmax scale * log2(e)
     seq_len,
     num_heads,
@@ -339,7 +337,6 @@ def _attention_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16/fp16 tl.dot is wrong: upcast there
     HAS_PREFIX: tl.constexpr,  # branch rows: a shared prefix read from another slot (False: plain rows)
-    FUSED_COMBINE: tl.constexpr,  # SPLITS > 1: the last split program of a block combines (no second kernel)
     PDL: tl.constexpr,
 ):
     _kernel_start(PDL)
@@ -412,71 +409,41 @@ def _attention_kernel(
         )
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
         tl.store(lse_ptr + part, lse, mask=m_valid)
-        if FUSED_COMBINE:
-            # Every thread's partial is stored before the ticket; the program that draws the last ticket
-            # of its (row b, KV head, query block) sees every split's partial (acquire, L2 loads) and
-            # combines them in split order, whichever finished last; then it re-arms the counter.
-            tl.debug_barrier()
-            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-            ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-            if ticket == SPLITS - 1:
-                _combine_splits(out_ptr, lse_ptr, final_ptr, row.to(tl.int64), m_valid, d, d_valid,
-                                HEAD_DIM, SPLITS, BLOCK_M, BLOCK_D)  # fmt: skip
-                tl.atomic_xchg(count_ptr + tile, 0)
 
 
 @triton.jit
 def _attention_combine_kernel(
     part_ptr,  # fp32 [rows, SPLITS, head_dim]: each split's normalised output
-    lse_ptr,  # fp32 [rows, SPLITS]
+    lse_ptr,  # fp32 [rows, SPLITS] log2-sum-exp of each split (-inf: an empty split)
     out_ptr,  # [rows, head_dim] q's dtype
+    rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
 ):
     _kernel_start(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, BLOCK_S)
+    # The splits are summed one by one in split order, not by a tree over a power-of-two block of them:
+    # a tree's order depends on the block (4 splits at the 512-key bucket, 8 at 1024), a running sum's
+    # does not, and the trailing empty splits of a longer bucket (weight 0, partial 0) add exact zeros.
+    # So a row's output is the same whichever context bucket computes it (on the H200 the tree's was
+    # not: tests/test_fused_kernels.py::test_attention_row_is_the_same_whatever_step_computes_it).
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_valid = row < rows
     d = tl.arange(0, BLOCK_D)
-    s_valid = s < SPLITS
-    lse = tl.load(lse_ptr + row * SPLITS + s, mask=s_valid, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always holds key 0, so the max is finite
-    parts = tl.load(part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
-                    mask=s_valid[:, None] & (d < HEAD_DIM)[None, :], other=0.0)  # fmt: skip
-    out = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-
-@triton.jit
-def _combine_splits(
-    part_ptr,  # fp32 [rows, SPLITS, head_dim]: each split's normalised output
-    lse_ptr,  # fp32 [rows, SPLITS]
-    out_ptr,  # [rows, head_dim] q's dtype
-    row,  # [BLOCK_M] int64 rows to combine
-    row_valid,  # [BLOCK_M]
-    d,  # [BLOCK_D] arange
-    d_valid,  # [BLOCK_D]
-    HEAD_DIM: tl.constexpr,
-    SPLITS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    # `_attention_combine_kernel` for BLOCK_M rows inside the attention kernel: the splits summed one by
-    # one in order, so trailing empty splits (weight 0) add exact zeros. .cg: from L2, where the other
-    # programs' partials are (L1 is not coherent).
+    d_valid = d < HEAD_DIM
     lse_at = lse_ptr + row * SPLITS
-    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(SPLITS):
-        top = tl.maximum(top, tl.load(lse_at + s, mask=row_valid, other=0.0, cache_modifier=".cg"))
-    num = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    den = tl.zeros([BLOCK_M], tl.float32)
+    top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for s in tl.static_range(SPLITS):
+        top = tl.maximum(top, tl.load(lse_at + s, mask=row_valid, other=0.0))
+    num = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    den = tl.zeros([BLOCK_R], tl.float32)
     mask = row_valid[:, None] & d_valid[None, :]
-    for s in range(SPLITS):
-        w = tl.exp2(tl.load(lse_at + s, mask=row_valid, other=0.0, cache_modifier=".cg") - top)
-        at = part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :]
-        num += tl.load(at, mask=mask, other=0.0, cache_modifier=".cg") * w[:, None]
+    for s in tl.static_range(SPLITS):  # unrolled: every split's loads in flight at once
+        w = tl.exp2(tl.load(lse_at + s, mask=row_valid, other=0.0) - top)  # split 0 holds key 0: top finite
+        parts = tl.load(part_ptr + (row * SPLITS + s)[:, None] * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+        num += parts * w[:, None]
         den += w
     out = (num / den[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
@@ -503,25 +470,6 @@ def split_chunk(max_len: int, block_n: int) -> int:
     the chunk is 128 keys, what the per-shape rule chose at B <= 16 up to 1024 keys: those steps are
     unchanged."""
     return max(SPLIT_KEYS, triton.cdiv(triton.cdiv(max_len, MAX_SPLITS), block_n) * block_n)
-
-
-# SPECSPLIT_ATTN_FUSED_COMBINE=1: split attention combines inside its own kernel (opt-in until measured on
-# the H200: docs/benchmarks.md, eighteenth session).
-FUSED_COMBINE = os.environ.get("SPECSPLIT_ATTN_FUSED_COMBINE", "0") == "1"
-_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
-_COUNTERS_PER_CACHE = 1 << 16
-
-
-def _split_counters(k_cache: Tensor, tiles: int) -> Tensor | None:
-    """The zeroed int32 tickets of a fused-combine launch on this cache (one per query block; the last
-    program of each re-arms its counter). One buffer per cache, made on its first split launch: that is
-    an eager forward or a capture's warm-up run, never inside a graph; a cache's layers run one after
-    another, and the draft and the target own different caches. None (the combine kernel instead) when a
-    launch has more query blocks than the buffer holds."""
-    key = (k_cache.device, k_cache.data_ptr())
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(_COUNTERS_PER_CACHE, dtype=torch.int32, device=k_cache.device)
-    return _COUNTERS[key] if tiles <= _COUNTERS_PER_CACHE else None
 
 
 def attention(
@@ -579,19 +527,19 @@ def attention(
         lse = torch.empty((bsz, seq, heads, splits), dtype=torch.float32, device=q.device)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = max(16, triton.next_power_of_2(head_dim))
-    counters = _split_counters(k_cache, bsz * kv_heads * m_blocks) if splits > 1 and FUSED_COMBINE else None
     _attention_kernel[(bsz * kv_heads, m_blocks, splits)](
-        q, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse, out,
-        counters if counters is not None else slots, scale * 1.4426950408889634, seq, heads, kv_heads,
+        q, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse,
+        scale * 1.4426950408889634, seq, heads, kv_heads,
         k_cache.shape[1], chunk,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=precision, DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix, FUSED_COMBINE=counters is not None,
+        PRECISION=precision, DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix,
         **launch_options(q),
     )  # fmt: skip
-    if splits > 1 and counters is None:
-        _attention_combine_kernel[(bsz * seq * heads,)](
-            part, lse, out, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), **launch_options(q),
+    if splits > 1:
+        rows, block_r = bsz * seq * heads, 4
+        _attention_combine_kernel[(triton.cdiv(rows, block_r),)](
+            part, lse, out, rows, HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, BLOCK_R=block_r,
+            **launch_options(q),
         )  # fmt: skip
     return out
 
