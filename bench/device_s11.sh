@@ -20,5 +20,5 @@ for b in "${batches[@]}"; do
 done > "$OUT/steps-$NAME.txt"
 cat "$OUT/steps-$NAME.txt"
 tar czf "$OUT/traces-$NAME.tgz" -C /tmp/e2e-logs-$NAME .
-grep -h "policy at\|gates:\|policy costs" /tmp/e2e-logs-$NAME/target-adaptive-*.log | tail -n 60 \
+grep -h "policy at\|gates:\|policy costs" /tmp/e2e-logs-$NAME/target-adaptive*.log | tail -n 60 \
   > "$OUT/adaptive-debug-$NAME.txt" || true
