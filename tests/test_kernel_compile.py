@@ -69,7 +69,7 @@ SCRIPT = textwrap.dedent(
         "attention": compile_(fused._attention_kernel, PDL=True, **attention),
         "attention_no_pdl": compile_(fused._attention_kernel, PDL=False, **attention),
         "attention_combine": compile_(fused._attention_combine_kernel, HEAD_DIM=128, BLOCK_D=128, SPLITS=4,
-                                      BLOCK_S=4, PDL=True),
+                                      BLOCK_R=4, PDL=True),
     }
     json.dump(out, sys.stdout)
     """
