@@ -23,6 +23,7 @@ def main() -> int:
     torch.manual_seed(0)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: TRITON_INTERPRET=1
     bsz, heads, kv_heads, hd, max_len = 16, 12, 2, 128, 512
+    scale = hd**-0.5
     kc = torch.randn(bsz, max_len, kv_heads, hd, device=dev).bfloat16()
     vc = torch.randn(bsz, max_len, kv_heads, hd, device=dev).bfloat16()
     for ctx_len, starts in ((256, range(40, 250, 13)), (512, range(260, 500, 15))):
@@ -33,7 +34,6 @@ def main() -> int:
         q1, pos1 = q5[:, :1].contiguous(), pos5[:, :1].contiguous()
         for splits in (1, 2, 4):
             for bm1, bm5 in ((16, 32), (32, 32), (16, 16)):
-                scale = hd**-0.5
                 a = fused.attention(q1, kc, vc, slots, pos1, ctx_len, scale, num_splits=splits, block_m=bm1)
                 b = fused.attention(q5, kc, vc, slots, pos5, ctx_len, scale, num_splits=splits, block_m=bm5)
                 b = b[:, :1]

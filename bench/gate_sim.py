@@ -8,7 +8,9 @@ One batch of --batch requests at per-token acceptance --alpha decodes --steps st
 k, tokens and time go back to the policy and its gate as the target's scheduler reports them. Prints, per
 --early-loss value (target_service.gate.EARLY_LOSS) and over --seeds runs: the share of steps at each k,
 the lengths of the plain windows of the first noiseless run, and tokens per second. The default costs
-are the nineteenth session's B=64 step traces on one H200 (docs/benchmarks.md, issue 10).
+are the nineteenth session's B=64 step traces on one H200 (docs/benchmarks.md, issue 10). Only the
+policy is simulated here, not the scheduler, its draft or its tail of finishing requests: for those,
+bench/sim_bench.py runs the whole serving loop on a simulated GPU.
 """
 
 from __future__ import annotations
@@ -35,13 +37,14 @@ def run(args, seed: int, noise: float) -> tuple[list[int], float]:
     """The k of every step and the tokens per second of one run."""
     rnd = random.Random(seed)
     step_s = [ms * 1e-3 for ms in args.step_ms]
+    max_k = len(step_s) - 1  # every request's k
     costs = StepCosts(BUCKETS)
     for k, seconds in enumerate(step_s):  # every k timed once before (the service's start-up and warm-up)
         costs.observe_step(args.batch, k, seconds, verify=seconds, draft_wait=0.0)
     policy = SpeculationPolicy("adaptive", costs)
     batch = []
     for i in range(args.batch):
-        r = Request(str(i), [1], 8, 0.0, 0, 1.0, 0, len(step_s) - 1, frozenset(), StreamDetokenizer(None))
+        r = Request(str(i), [1], 8, 0.0, 0, 1.0, 0, max_k, frozenset(), StreamDetokenizer(None))
         r.spec.successes, r.spec.trials = args.alpha * 200, 200.0  # a long history at --alpha
         batch.append(r)
     chosen, tokens, seconds = [], 0.0, 0.0
@@ -49,7 +52,7 @@ def run(args, seed: int, noise: float) -> tuple[list[int], float]:
         k = policy.choose(batch)
         chosen.append(k)
         step = step_s[k] * (rnd.lognormvariate(0.0, noise) if noise else 1.0)
-        emitted = policy.batch_tokens(batch, len(step_s) - 1)[k]
+        emitted = policy.batch_tokens(batch, max_k)[k]
         tokens, seconds = tokens + emitted, seconds + step
         costs.observe_step(args.batch, k, step, verify=step, draft_wait=0.0)
         policy.observe_step(args.batch, round(emitted), step)
