@@ -1,4 +1,4 @@
-"""Time and profile the target's graphed verify forward (forward + full fp32 logits) on the GPU.
+"""Time and profile the target's graphed verify forward (forward + full-vocab logits) on the GPU.
 
     python bench/profile_step.py --preset qwen1.5b --batch 1 16 --width 5 [--tp 2] [--out step.json]
     python bench/profile_step.py --model DIR --batch 1 --width 5
@@ -12,6 +12,8 @@ A preset builds random bf16 weights of real model shapes on the GPU (no checkpoi
   - the weight-read floor (this rank's weight bytes / HBM bandwidth) and graph_ms's fraction of it;
   - a per-kernel breakdown from torch.profiler of eager steps (kernel GPU time, grouped).
 --tp 2 spawns the second rank (NCCL); every rank builds its own shard and replays the same graphs.
+The logits are what the target's step computes (bf16 for these models, read as fp32 by the rejection
+kernel); --fp32-logits adds the fp32 copy every step made before the twentieth session.
 --whole-step instead times the target service's own step (TargetRunner.step: forward + rejection kernel
 in one replay, TP=1) and prints its top kernels.
 """
@@ -88,6 +90,7 @@ class Bench:
             self.model = load_model(args.model, comm, device=self.device, dtype=torch.bfloat16)
         else:
             self.model = preset_model(args.preset, comm, self.device)
+        self.fp32_logits = args.fp32_logits
         # --context: keys already in the cache (positions context .. context + width - 1 are verified)
         self.start = args.context
         # a power of two with room for the verified rows; 512 (split_chunk 128) as before at context 100
@@ -103,7 +106,7 @@ class Bench:
     @torch.inference_mode()
     def _logits(self, input_ids, positions, slots, ctx_len):
         hidden = self.model(input_ids, positions, slots, self.cache, ctx_len)
-        return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+        return self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]), upcast=self.fp32_logits)
 
     def _batch(self, batch: int, width: int):
         rows = [[1 + b] * width for b in range(batch)]
@@ -179,8 +182,8 @@ def run_rank0(comm: Comm, args) -> dict:
     wbytes = weight_bytes(bench.model)
     floor_ms = wbytes / HBM_BYTES_PER_S * 1e3
     result = {"preset": args.preset or args.model, "tp": comm.world_size, "width": args.width,
-              "context": args.context, "weight_bytes_per_rank": wbytes, "floor_ms": round(floor_ms, 4),
-              "hbm_bytes_per_s": HBM_BYTES_PER_S, "batches": {}}  # fmt: skip
+              "context": args.context, "fp32_logits": args.fp32_logits, "weight_bytes_per_rank": wbytes,
+              "floor_ms": round(floor_ms, 4), "hbm_bytes_per_s": HBM_BYTES_PER_S, "batches": {}}  # fmt: skip
     for batch in args.batch:
         for _ in range(3):  # warm-up: capture, autotune, NCCL
             ex.run("verify", batch=batch, width=args.width)
@@ -259,6 +262,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--context", type=int, default=100, help="keys in the cache before the verified rows")
     ap.add_argument("--profile", action="store_true", help="add the per-kernel breakdown")
+    ap.add_argument("--fp32-logits", action="store_true", help="upcast the logits in the graph (as before)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--whole-step", action="store_true", help="time TargetRunner.step (needs --model)")
     args = ap.parse_args()

@@ -21,7 +21,10 @@ from target_service.step_costs import StepCosts
 # on the real SmolLM2 pair (a 1 ms plain step, a 1.9 ms round trip to the draft) speculation runs at
 # ~0.65x plain, and the gate's 16-step windows with it on cost adaptive 0.64-0.79x plain in 128-token
 # runs. Four steps of 0.7x against a rate measured over 14 are well outside step-to-step noise (~10 %).
-EARLY_STEPS, EARLY_LOSS = 4, 0.7
+# 0.75, not 0.7 (twentieth session): at B=64 on one H200 plain runs at ~0.65x speculation's raw rate, just
+# above 0.7 of its handicapped one, so the gate's tries of plain ran whole 16-step windows
+# (bench/gate_sim.py: 6 steps at 0.75); adaptive / plain there 1.39-1.42 against 1.22-1.34 with 0.7.
+EARLY_STEPS, EARLY_LOSS = 4, 0.75
 # The mode held best stays so until its rate is this fraction below the other's (a try must beat it by as
 # much). Window rates at B=64 on one H200 ranged 17.5-23.8 k tok/s with speculation off while the two
 # modes' rates stood within 7 % of each other: every dip of one window below the other mode's rate

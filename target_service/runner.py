@@ -241,9 +241,10 @@ class TargetRunner:
     def _forward(
         self, buf: StepBuffers, ctx: int, with_verify: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Forward + logits (+ the rejection kernel): fp32 logits [B * W, V], packed [B, W + 2] int32."""
+        """Forward + logits (+ the rejection kernel): logits [B * W, V] (in the model's dtype where that
+        is exact: every consumer reads them as fp32), packed [B, W + 2] int32."""
         hidden = self.model(buf.view("input_ids"), buf.view("positions"), buf.view("slots"), self.cache, ctx)
-        logits = self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]))
+        logits = self.model.compute_logits(hidden.reshape(-1, hidden.shape[-1]), upcast=False)
         if not (self.verify_in_graph and with_verify):
             return logits, None
         return logits, _packed(verify(logits, *buf.verify_args()))

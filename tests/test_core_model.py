@@ -233,6 +233,23 @@ def test_logits_processor_soft_cap_then_scale(tmp_path):
     torch.testing.assert_close(logits, expected, atol=1e-6, rtol=0)
 
 
+def test_logits_stay_in_the_model_dtype_only_where_that_is_exact(tmp_path):
+    """upcast=False (the target's step): a bf16 model's logits stay bf16, the same values as the fp32
+    logits (an exact upcast); with a soft-cap or scale they are processed in fp32 as before."""
+    plain = load_model(make_tiny_model(tmp_path / "plain", vocab_size=300), Comm(), dtype=torch.bfloat16)
+    capped = load_model(
+        make_tiny_model(tmp_path / "capped", vocab_size=300, final_logit_softcapping=2.0, logit_scale=0.5),
+        Comm(),
+        dtype=torch.bfloat16,
+    )
+    hidden = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    raw, full = plain.compute_logits(hidden, upcast=False), plain.compute_logits(hidden)
+    assert raw.dtype == torch.bfloat16 and full.dtype == torch.float32 and raw.shape == full.shape == (6, 300)
+    assert torch.equal(raw.float(), full)
+    processed = capped.compute_logits(hidden, upcast=False)
+    assert processed.dtype == torch.float32 and torch.equal(processed, capped.compute_logits(hidden))
+
+
 def test_top_tokens_ties_and_padding_single_rank():
     """Integer weights force exact ties (lowest id must win) and all-negative rows (padding must not win)."""
     gen = torch.Generator().manual_seed(0)

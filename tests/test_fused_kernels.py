@@ -121,9 +121,10 @@ def test_attention_row_is_the_same_whatever_step_computes_it():
     other rows, at a context bucket of 512 or 1024 keys. Plain and verify steps that reach the same
     position differ in exactly these, and bf16 speculative output equals plain output only if they agree
     (`fused.split_chunk`; the combine sums splits in order: on the H200 the earlier tree over a block of
-    4 or 8 splits failed this at (1, 1024), nineteenth session). On the GPU also one token (a plain
-    step) against the first of five (a verify: another query-block size; the CPU interpreter's numpy
-    matmul rounds those differently)."""
+    4 or 8 splits failed this at (1, 1024), nineteenth session). A short row also at the 128-key bucket
+    (one split, stored without the combine) and the 256-key one (two). On the GPU also one token (a
+    plain step) against the first of five (a verify: another query-block size; the CPU interpreter's
+    numpy matmul rounds those differently)."""
     g = torch.Generator().manual_seed(11)
     heads, kv_heads, head_dim, max_len, rows = 4, 2, 32, 1024, 64
     kc, vc = (torch.randn(rows, max_len, kv_heads, head_dim, generator=g).to(DEVICE) for _ in "kv")
@@ -145,6 +146,11 @@ def test_attention_row_is_the_same_whatever_step_computes_it():
     if DEVICE == "cuda":
         assert torch.equal(first_row(rows, 5, 512), want)
         assert torch.equal(first_row(1, 5, 1024), want)
+    # A short row: one split at the 128-key bucket (no combine), two at 256, four at 512.
+    positions[0] = torch.arange(60, 65, device=DEVICE)
+    want = first_row(1, 1, 128)
+    for b, ctx_len in ((1, 256), (rows, 256), (1, 512)):
+        assert torch.equal(first_row(b, 1, ctx_len), want), (b, ctx_len)
 
 
 def _branch_case(dtype, seq, heads, head_dim=32):

@@ -203,11 +203,16 @@ class Transformer(nn.Module):
             x, residual = layer(x, residual, rope, slots, positions, cache.k[i], cache.v[i], ctx_len, prefix)
         return self.model.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: Tensor, prev_token_ids: Tensor | None = None) -> Tensor:
+    def compute_logits(
+        self, hidden: Tensor, prev_token_ids: Tensor | None = None, upcast: bool = True
+    ) -> Tensor:
         """[N, H] -> fp32 [N, V_head] logits over the LM head's vocab (the draft vocab when d2t is set):
-        padding removed, soft-cap then scale, plus the Markov bias when prev_token_ids [N] is given."""
-        logits = self.logits_processor(self.lm_head, hidden)
-        if self.markov_head is not None and prev_token_ids is not None:
+        padding removed, soft-cap then scale, plus the Markov bias when prev_token_ids [N] is given.
+        upcast=False: in the model's dtype where that is exact (`LogitsProcessor.__call__`), for
+        consumers that read any float dtype as fp32 (the rejection kernels, logprobs)."""
+        with_bias = self.markov_head is not None and prev_token_ids is not None
+        logits = self.logits_processor(self.lm_head, hidden, upcast=upcast or with_bias)
+        if with_bias:
             logits = logits + self.markov_head.bias(prev_token_ids)
         return logits
 
