@@ -52,6 +52,8 @@ PRESETS = {
     "qwen7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                    num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }  # fmt: skip
+# The serving bench's 2-layer draft (bench/bench_e2e.py): the 1.5B's shapes, two layers.
+PRESETS["draft2"] = dict(PRESETS["qwen1.5b"], num_hidden_layers=2)
 HBM_BYTES_PER_S = 4.2e12  # H200: the achievable figure (4.8 TB/s peak)
 MAX_BATCH = 16
 

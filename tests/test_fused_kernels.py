@@ -61,6 +61,21 @@ def test_silu_and_mul_matches_reference(dtype):
     torch.testing.assert_close(got.float(), want.float(), rtol=_tol(dtype), atol=_tol(dtype))
 
 
+def test_rotary_table_rows_are_the_positions_rows():
+    """The table a forward reads by position holds, row p, what `RotaryEmbedding` computes for p (bit for
+    bit: the same elementwise ops), built once and reused for any shorter length."""
+    rope = RotaryEmbedding(64, 1e6, {"rope_type": "llama3", "factor": 8.0}, device=DEVICE)
+    positions = torch.tensor([[0, 1, 2, 3], [37, 38, 200, 511]], device=DEVICE)
+    cos, sin = rope.table(512)
+    want_cos, want_sin = rope(positions)
+    assert cos.shape == sin.shape == (512, 64)
+    assert torch.equal(cos[positions], want_cos.squeeze(-2)) and torch.equal(
+        sin[positions], want_sin.squeeze(-2)
+    )
+    assert rope.table(100)[0] is cos  # a shorter length reuses it
+    assert rope.table(600)[0].shape == (600, 64)  # a longer one rebuilds it
+
+
 def _cache_case(dtype, bsz=3, seq=4, heads=4, kv_heads=2, head_dim=32, slots_n=5, max_len=40, seed=4):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(bsz, seq, heads + 2 * kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
@@ -78,7 +93,7 @@ def _cache_case(dtype, bsz=3, seq=4, heads=4, kv_heads=2, head_dim=32, slots_n=5
 @pytest.mark.parametrize("head_dim", [32, 96])  # 96: half a head is not a power of two (masked lanes)
 def test_rotary_and_cache_matches_reference(dtype, head_dim):
     q, k, v, (kc, vc), positions, slots = _cache_case(dtype, head_dim=head_dim)
-    cos, sin = RotaryEmbedding(head_dim, 10000.0, None, device=DEVICE)(positions)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None, device=DEVICE).table(kc.shape[1])
     kc2, vc2 = kc.clone(), vc.clone()
     got = fused.rotary_and_cache(q, k, v, cos, sin, positions, slots, kc, vc)
     want = fused.rotary_and_cache_reference(q, k, v, cos, sin, positions, slots, kc2, vc2)

@@ -215,8 +215,8 @@ def _rotary_cache_kernel(
     q_ptr,  # [tokens, num_heads, head_dim], token stride q_stride, heads contiguous
     k_ptr,  # [tokens, num_kv_heads, head_dim], token stride k_stride
     v_ptr,  # [tokens, num_kv_heads, head_dim], token stride v_stride
-    cos_ptr,  # [tokens, head_dim] fp32 contiguous
-    sin_ptr,  # [tokens, head_dim] fp32 contiguous
+    cos_ptr,  # [positions, head_dim] fp32 contiguous: row p for position p
+    sin_ptr,  # [positions, head_dim] fp32 contiguous
     pos_ptr,  # [tokens] int64 (row-major [B, L])
     slot_ptr,  # [B] int64
     q_out_ptr,  # [tokens, num_heads, head_dim] contiguous, q's dtype
@@ -238,16 +238,16 @@ def _rotary_cache_kernel(
     head = tl.program_id(1)  # [0, num_heads): a query head; [num_heads, num_heads + num_kv_heads): K and V
     d = tl.arange(0, BLOCK)
     mask = d < HALF
-    c1 = tl.load(cos_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
-    c2 = tl.load(cos_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
-    s1 = tl.load(sin_ptr + token * 2 * HALF + d, mask=mask, other=0.0)
-    s2 = tl.load(sin_ptr + token * 2 * HALF + HALF + d, mask=mask, other=0.0)
+    pos = tl.load(pos_ptr + token)
+    c1 = tl.load(cos_ptr + pos * 2 * HALF + d, mask=mask, other=0.0)
+    c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d, mask=mask, other=0.0)
+    s1 = tl.load(sin_ptr + pos * 2 * HALF + d, mask=mask, other=0.0)
+    s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d, mask=mask, other=0.0)
     if head < num_heads:
         src = q_ptr + token * q_stride + head * 2 * HALF
         dst = q_out_ptr + (token * num_heads + head) * 2 * HALF
     else:
         kv_head = head - num_heads
-        pos = tl.load(pos_ptr + token)
         slot = tl.load(slot_ptr + token // seq_len)
         cache_off = ((slot * max_len + pos) * num_kv_heads + kv_head) * 2 * HALF
         src = k_ptr + token * k_stride + kv_head * 2 * HALF
@@ -275,7 +275,8 @@ def rotary_and_cache(
     """Rotates q and k and writes k, v into the cache at (slots[b], positions[b, l]); returns rotated q.
 
     q [B, L, H, D], k, v [B, L, Hkv, D] (views into one qkv output are fine: only the last two dims
-    must be contiguous); cos, sin [B, L, 1, D] fp32; positions [B, L]; slots [B]. One kernel.
+    must be contiguous); cos, sin [P, D] fp32, row p for position p (`RotaryEmbedding.table`, P past
+    every position); positions [B, L]; slots [B]. One kernel.
     """
     bsz, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
@@ -284,10 +285,11 @@ def rotary_and_cache(
     if tokens:
         for t in (q, k, v):
             assert t.stride(-1) == 1 and t.stride(-2) == head_dim and t.stride(0) == seq * t.stride(1)
+        for t in (cos, sin):
+            assert t.dim() == 2 and t.shape[1] == head_dim and t.is_contiguous() and t.dtype == torch.float32
         half = head_dim // 2
         _rotary_cache_kernel[(tokens, heads + kv_heads)](
-            q, k, v, cos.reshape(tokens, head_dim).contiguous(), sin.reshape(tokens, head_dim).contiguous(),
-            positions.reshape(tokens).contiguous(), slots, out, k_cache, v_cache,
+            q, k, v, cos, sin, positions.reshape(tokens).contiguous(), slots, out, k_cache, v_cache,
             q.stride(1), k.stride(1), v.stride(1), seq, heads, kv_heads, k_cache.shape[1],
             HALF=half, BLOCK=triton.next_power_of_2(half), **launch_options(q),
         )  # fmt: skip
@@ -305,6 +307,7 @@ def rotary_and_cache_reference(
     k_cache: Tensor,
     v_cache: Tensor,
 ) -> Tensor:
+    cos, sin = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)  # [B, L, 1, D]
     rows = slots.unsqueeze(1)
     k_cache[rows, positions] = apply_rotary_reference(k, cos, sin)
     v_cache[rows, positions] = v

@@ -40,9 +40,23 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict | None, device=None):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling).to(device), persistent=False)
+        self._table: tuple[Tensor, Tensor] | None = None
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """positions [B, L] -> cos, sin [B, L, 1, head_dim] in fp32, shared by all layers of a forward."""
+        """positions [B, L] -> cos, sin [B, L, 1, head_dim] in fp32."""
         freqs = positions.unsqueeze(-1).float() * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
         return emb.cos(), emb.sin()
+
+    def table(self, length: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [>= length, head_dim] fp32: row p is `forward`'s for position p. Built once (at a
+        forward's first, eager run: never inside a CUDA-graph capture); every forward after it reads its
+        rows by position inside the rotary kernel instead of computing them (five small kernels per
+        forward: the cast, the product, the concatenation, cos and sin)."""
+        table = self._table
+        if table is None or table[0].shape[0] < length or table[0].device != self.inv_freq.device:
+            if self.inv_freq.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"rotary table for {length} positions first needed inside a graph capture")
+            cos, sin = self(torch.arange(length, device=self.inv_freq.device).unsqueeze(0))
+            table = self._table = (cos.view(length, -1), sin.view(length, -1))
+        return table

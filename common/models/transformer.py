@@ -197,7 +197,7 @@ class Transformer(nn.Module):
         shares that prefix, not copied) and those from prefix_len[b] on in slots[b]. Its new tokens are
         still written to slots[b]; prefix_len[b] = 0 makes row b a plain row. No host syncs either way.
         """
-        rope = self.rotary(positions)
+        rope = self.rotary.table(cache.max_len)  # every position the cache holds
         x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, rope, slots, positions, cache.k[i], cache.v[i], ctx_len, prefix)
