@@ -39,3 +39,12 @@ for name, r in runs.items():
     print(name, {b: v["graph_ms_median"] for b, v in r["batches"].items()})
 PY
 }
+
+# The GPU tests: $TESTS (default: the files in $1), all but the two-GPU ones; the last 30 lines of the
+# output in $OUT/gpu-tests.txt, the summary printed.
+gpu_tests() {
+  local t0
+  t0=$(date +%s)
+  python3 -m pytest -q -p no:cacheprovider ${TESTS:-$1} -k "not tp2" 2>&1 | tail -30 > "$OUT/gpu-tests.txt"
+  tail -3 "$OUT/gpu-tests.txt"; echo "tests took $(( $(date +%s) - t0 )) s"
+}

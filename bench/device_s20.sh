@@ -17,12 +17,8 @@ set -uo pipefail
 source bench/device_env.sh
 BASE=${BASE:-.wt/base}
 t0=$(date +%s)
-if [ -z "${NO_TESTS:-}" ]; then
-  python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_fused_kernels.py tests/test_cuda_graphs.py \
-    tests/test_gpu_model.py tests/test_skinny_linear.py tests/test_rejection_greedy.py} -k "not tp2" 2>&1 \
-    | tail -30 > "$OUT/gpu-tests.txt"
-  tail -3 "$OUT/gpu-tests.txt"; echo "tests took $(( $(date +%s) - t0 )) s"
-fi
+[ -n "${NO_TESTS:-}" ] || gpu_tests "tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_gpu_model.py
+  tests/test_skinny_linear.py tests/test_rejection_greedy.py"
 mkdir -p /tmp/s20
 for rep in $(seq 1 "${REPS:-2}"); do
   prof=""; [ "$rep" = 1 ] && prof=--profile

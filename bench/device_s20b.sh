@@ -8,9 +8,8 @@
 set -uo pipefail
 source bench/device_env.sh
 t0=$(date +%s)
-python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_gpu_model.py \
-  tests/test_rejection_greedy.py tests/test_rejection_sampled.py -k "not tp2" 2>&1 | tail -30 > "$OUT/gpu-tests.txt"
-tail -2 "$OUT/gpu-tests.txt"; echo "tests took $(( $(date +%s) - t0 )) s"
+gpu_tests "tests/test_fused_kernels.py tests/test_cuda_graphs.py tests/test_gpu_model.py tests/test_rejection_greedy.py
+  tests/test_rejection_sampled.py"
 NO_TESTS=1 CFGS="base new" CONTEXTS="100 400" REPS=3 BUDGET=240 bash bench/device_s20.sh 2>&1 | grep -v "^ctx.*: {"
 mkdir -p /tmp/o-final
 OUT=/tmp/o-final NAME=s20final MODES=plain EXTRA="--local-modes fixed adaptive" bash bench/device_s11.sh 2>&1 \

@@ -8,8 +8,7 @@
 set -uo pipefail
 source bench/device_env.sh
 t0=$(date +%s)
-python3 -m pytest -q -p no:cacheprovider tests/test_fused_kernels.py 2>&1 | tail -30 > "$OUT/gpu-tests.txt"
-tail -2 "$OUT/gpu-tests.txt"; echo "tests took $(( $(date +%s) - t0 )) s"
+gpu_tests tests/test_fused_kernels.py
 mkdir -p /tmp/s20c
 for rep in 1 2; do
   for preset in qwen1.5b:5 draft2:1; do
