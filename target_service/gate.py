@@ -23,7 +23,8 @@ from target_service.step_costs import StepCosts
 # runs. Four steps of 0.7x against a rate measured over 14 are well outside step-to-step noise (~10 %).
 # 0.75, not 0.7 (twentieth session): at B=64 on one H200 plain runs at ~0.65x speculation's raw rate, just
 # above 0.7 of its handicapped one, so the gate's tries of plain ran whole 16-step windows
-# (bench/gate_sim.py: 6 steps at 0.75); adaptive / plain there 1.39-1.42 against 1.22-1.34 with 0.7.
+# (bench/gate_sim.py: 6 steps at 0.75). Adaptive / plain at B=64: 1.35-1.42 in the 6 repeats run with
+# 0.75, 1.15-1.42 in 6 with 0.7 (runs differ about as much: docs/benchmarks.md, twentieth session).
 EARLY_STEPS, EARLY_LOSS = 4, 0.75
 # The mode held best stays so until its rate is this fraction below the other's (a try must beat it by as
 # much). Window rates at B=64 on one H200 ranged 17.5-23.8 k tok/s with speculation off while the two
