@@ -5,11 +5,11 @@
 # $OUT/steps.json:
 #   base   the base tree ($BASE, default .wt/base: `git archive a9592b6` of everything but drafts/ and
 #          docs/, carried): split combine kernel, fp32 logits
-#   fold   this tree with --fp32-logits (call 1, on a tree since reverted: the attention folded up to 2
-#          splits itself, no combine kernel)
-#   new    this tree: the logits in bf16 as the target's step now computes them (call 1: and the fold)
-#   foldN  (contexts past 256; call 1) every split folded (SPECSPLIT_ATTN_FOLD_SPLITS=64, since removed)
-# $CFGS picks some of them. Runs stop being started after $BUDGET seconds (default 520).
+#   fp32   this tree with --fp32-logits (the fp32 copy of the logits, as the base)
+#   new    this tree: the logits in bf16 as the target's step now computes them
+# $CFGS picks some of them. Runs stop being started after $BUDGET seconds (default 520). Call 1 ran a
+# since-reverted tree (the attention folding its own splits) whose runs are named `fold` (= fp32 here)
+# and `foldN` (every split folded; its knob went with it) in docs/results/issue11/s20/call1-steps.json.
 #   mkdir -p .wt/base && git archive a9592b6 $(git ls-tree --name-only a9592b6 | grep -v '^drafts$\|^docs$') \
 #     | tar -x -C .wt/base
 #   bash bench/device_s20.sh          # run with carry [".whl", ".wt/base"]
@@ -23,17 +23,15 @@ mkdir -p /tmp/s20
 for rep in $(seq 1 "${REPS:-2}"); do
   prof=""; [ "$rep" = 1 ] && prof=--profile
   for ctx in ${CONTEXTS:-100 400 1000}; do
-    cfgs=${CFGS:-base fold new}; [ -z "${CFGS:-}" ] && [ "$ctx" -gt 250 ] && cfgs="base fold new foldN"
-    for cfg in $cfgs; do
+    for cfg in ${CFGS:-base fp32 new}; do
       if [ $(( $(date +%s) - t0 )) -gt "${BUDGET:-520}" ]; then echo "budget spent: skip $cfg ctx$ctx r$rep"; continue; fi
-      dir=$PWD; env=""; flags=""
+      dir=$PWD; flags=""
       case $cfg in
         base) dir=$BASE ;;
-        fold) flags=--fp32-logits ;;
-        foldN) env="SPECSPLIT_ATTN_FOLD_SPLITS=64" ;;
+        fp32) flags=--fp32-logits ;;
       esac
       name=ctx$ctx-$cfg-r$rep
-      (cd "$dir" && env PYTHONPATH=/tmp/site:$dir $env python3 bench/profile_step.py --preset qwen1.5b \
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir python3 bench/profile_step.py --preset qwen1.5b \
         --batch ${BATCHES:-1 4 16 64} --steps 20 --context "$ctx" $prof $flags --out "/tmp/s20/$name.json" 2>&1 \
         | grep '^{"' | cut -c1-140 | sed "s/^/$name: /")
       echo "elapsed $(( $(date +%s) - t0 )) s"

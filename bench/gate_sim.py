@@ -24,13 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common.cuda_graphs import buckets
 from target_service import gate
 from target_service.detok import StreamDetokenizer
 from target_service.policy import SpeculationPolicy
 from target_service.request import Request
 from target_service.step_costs import StepCosts
 
-BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+BUCKETS = buckets(64)  # the target's batch buckets at --max-batch-size 64
 
 
 def run(args, seed: int, noise: float) -> tuple[list[int], float]:

@@ -49,7 +49,7 @@ class LogitsProcessor:
         upcast=False: where processing is the identity, the logits stay in the model's dtype ([N, vocab],
         rows strided by the padded vocab), for consumers that upcast as they read: the same fp32 values,
         without an [N, vocab] fp32 copy written and read back (at B=64 x 5 rows of a 151936-token
-        vocab, 0.3 GB per step), and half the bytes in a sharded head's all-gather."""
+        vocab, 0.3 GB per step). A sharded head gathers in the model's dtype either way."""
         raw = head.local_logits(hidden)
         if head.tp_size > 1:
             raw = gather_vocab_shards(raw, head, site)
