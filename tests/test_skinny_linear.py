@@ -1,8 +1,9 @@
 """skinny_linear (common/kernels/skinny.py: the few-row GEMM that reads its weight before the kernel ahead
-of it has finished) against F.linear; each row's output independent of the rows beside it; which GEMMs
-the model sends to it; and on the GPU, a bf16 model's graphed forward with it and programmatic dependent
-launch (PDL) against the same forward in plain stream order, replay after replay (a read before its
-`gdc_wait` would show up there as a replay that differs). On the CPU under TRITON_INTERPRET=1."""
+of it has finished) and stream_linear (the few-row GEMM for a long K, split-K) against F.linear; each row's
+output independent of the rows beside it; which GEMMs the model sends to each; and on the GPU, a bf16
+model's graphed forward with them and programmatic dependent launch (PDL) against the same forward in
+plain stream order, replay after replay (a read before its `gdc_wait` would show up there as a replay
+that differs). On the CPU under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -63,6 +64,44 @@ def test_fits_keeps_cublas_for_wide_long_or_fp32():
     assert not skinny.fits(5, torch.empty(2048, 1536))  # fp32: the tile would not fit in registers
 
 
+@pytest.mark.parametrize(
+    "rows,n,k,bias,split_k",
+    [(1, 64, 8960, False, None), (5, 96, 1000, True, 3), (16, 40, 640, True, 1), (3, 64, 4096, False, 2)],
+)
+def test_stream_linear_matches_f_linear(rows, n, k, bias, split_k):
+    """Against F.linear in fp32 on the same bf16 operands, within one bf16 rounding: K split (the default
+    rule: 8960 -> 5 splits of 7 tiles) or not, N not a multiple of the tile, K not a multiple of a split
+    or a tile, the bias added once (in the split sum when K is split)."""
+    x, w, b = _operands(rows, n, k, bias, seed=2)
+    tiles = dict(block_n=32, block_k=64, stages=2) if k < 8960 else {}
+    got = skinny.stream_linear(x, w, b, split_k=split_k, **tiles)
+    want = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+
+
+def test_stream_linear_rows_are_independent_of_the_batch():
+    """A row's output is bit-for-bit the same alone, among 5 or among 16 rows, and from 16- or 32-row
+    blocks: what keeps a plain step (1-16 rows) and the verify of the same tokens (5 per request) alike."""
+    x, w, b = _operands(16, 64, 1280, True, seed=3)
+    tiles = dict(block_n=32, block_k=64, stages=2, split_k=4)
+    full = skinny.stream_linear(x, w, b, **tiles)
+    assert torch.equal(skinny.stream_linear(x[:5], w, b, **tiles), full[:5])
+    assert torch.equal(skinny.stream_linear(x, w, b, block_m=32, **tiles), full)
+    for r in (0, 7, 15):
+        assert torch.equal(skinny.stream_linear(x[r : r + 1], w, b, **tiles), full[r : r + 1])
+
+
+def test_streams_takes_a_long_k_at_few_rows_only():
+    down = torch.empty(1536, 8960, dtype=torch.bfloat16)  # the 1.5B's down projection
+    assert skinny.streams(1, down) and skinny.streams(16, down) and not skinny.fits(5, down)
+    assert not skinny.streams(17, down) and not skinny.streams(0, down)
+    assert not skinny.streams(5, torch.empty(17920, 1536, dtype=torch.bfloat16))  # gate_up: cuBLAS
+    assert not skinny.streams(5, torch.empty(1536, 8960))  # fp32
+    assert not skinny.streams(5, down.t())  # not contiguous
+    assert not skinny.streams(5, torch.empty(3584, 18944, dtype=torch.bfloat16))  # the 7B's: cuBLAS
+
+
 def test_model_sends_its_small_projections_to_skinny(tmp_path, monkeypatch):
     """A bf16 model on the kernel path (interpreted on the CPU): qkv and o_proj of each layer (and the
     small MLP here) go to skinny_linear at 5 rows, to cuBLAS at 40 rows or with skinny_linear off; the
@@ -95,12 +134,45 @@ def test_model_sends_its_small_projections_to_skinny(tmp_path, monkeypatch):
     torch.testing.assert_close(outs[True], outs[False], rtol=0.05, atol=0.05)
 
 
+def test_model_sends_its_down_projection_to_stream(tmp_path, monkeypatch):
+    """With the long-K threshold at the tiny model's MLP width, each layer's down projection goes to
+    stream_linear at 5 rows and to cuBLAS at 40 (the
+    prefill); the hidden states match the all-cuBLAS path within bf16 rounding."""
+    path = make_tiny_model(tmp_path / "m", seed=5, num_layers=2, architecture="Qwen2ForCausalLM")
+    model = load_model(path, Comm(), device=DEVICE, dtype=torch.bfloat16)
+    cfg = model.config
+    monkeypatch.setattr(fused, "on_gpu", lambda x: True)
+    monkeypatch.setattr(skinny, "ENABLED", False)  # skinny_linear off: only the stream path differs
+    monkeypatch.setattr(skinny, "STREAM_MIN_K", cfg.intermediate_size)
+    calls = []
+    real = skinny.stream_linear
+
+    def spy(x, w, b=None, **kw):
+        calls.append((x.numel() // x.shape[-1], tuple(w.shape), kw))
+        return real(x, w, b, **kw)
+
+    monkeypatch.setattr(skinny, "stream_linear", spy)
+    outs = {}
+    for enabled in (True, False):
+        monkeypatch.setattr(skinny, "STREAM_ENABLED", enabled)
+        calls.clear()
+        cache = KVCache.for_model(model, 2, 64)
+        with torch.inference_mode():
+            outs[enabled] = forward_rows(model, cache, [0], [0], [[5, 6, 7, 8, 9]]).float()
+            forward_rows(model, cache, [1], [0], [list(range(40))])
+        want = [(5, (cfg.hidden_size, cfg.intermediate_size), {})] * 2
+        assert calls == (want if enabled else [])
+    torch.testing.assert_close(outs[True], outs[False], rtol=0.05, atol=0.05)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stream_min_k", [4096, 1024])
+def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch, stream_min_k):
     """bf16, the GPU kernel path: 30 replays of a CUDA graph captured with PDL (and skinny_linear) each
     give bit-for-bit the hidden states of the same forward run eagerly without PDL. A kernel reading the
-    previous kernel's output before its wait would make replays differ from it (and from each other)."""
+    previous kernel's output before its wait would make replays differ from it (and from each other).
+    With the long-K threshold at 1024 the MLP's down projection runs in stream_linear too."""
     from common.cuda_graphs import capture
 
     if not fused.pdl(torch.empty(1, device="cuda")):
@@ -119,10 +191,12 @@ def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch):
         def step():
             return model(ids, positions, slots, cache, 128)
 
+        monkeypatch.setattr(skinny, "STREAM_MIN_K", stream_min_k)
         monkeypatch.setattr(fused, "pdl", lambda x: False)
         monkeypatch.setattr(skinny, "REQUIRE_PDL", False)  # the same kernels, in stream order
         want = step().clone()
         monkeypatch.undo()
+        monkeypatch.setattr(skinny, "STREAM_MIN_K", stream_min_k)
         graph, out, _ = capture(step, torch.device("cuda"), None)
         for _ in range(30):
             graph.replay()
@@ -139,5 +213,7 @@ def test_describe_names_the_kernel_path(monkeypatch):
     assert skinny.describe(x) == "Triton fused kernels, PDL off, cuBLAS GEMMs"
     monkeypatch.setattr(fused, "pdl", lambda t: True)
     assert "skinny_linear up to 16 rows" in skinny.describe(x)
+    assert "stream_linear for K >= 4096 up to 16 rows" in skinny.describe(x)
     monkeypatch.setattr(skinny, "ENABLED", False)
-    assert "skinny_linear off" in skinny.describe(x)
+    monkeypatch.setattr(skinny, "STREAM_ENABLED", False)
+    assert "skinny_linear off" in skinny.describe(x) and "stream_linear off" in skinny.describe(x)

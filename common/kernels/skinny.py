@@ -19,6 +19,12 @@ must round alike for bf16 speculative output to equal plain output. Splitting th
 warps, summed after (seventeenth session, 28d95eb), saved 0.01-0.02 ms at B=1 but at B=16 left 0/16
 speculative sequences equal to plain against 14/16 (every divergence a tie of 0-2 bf16 steps: lossless,
 but eight times as many; docs/benchmarks.md).
+
+`stream_linear` is the other few-row GEMM: for a long K (the MLP's down projection, 1536 x 8960 in the
+1.5B), where one register tile per program cannot hold the weight and cuBLAS runs a split-K GEMM and a
+reduce kernel at 2.3 TB/s. Its programs stream [BLOCK_N, BLOCK_K] weight tiles through a software
+pipeline over their split of K (the first tile read before `gdc_wait`), and a PDL kernel sums the splits'
+fp32 partials in split order.
 """
 
 from __future__ import annotations
@@ -46,6 +52,20 @@ MAX_K = 2048  # BLOCK_K = next power of 2 of K: the tile [BLOCK_N, BLOCK_K] bf16
 # gate_up (17920 features) too, the B=1 forward took 2.27 ms against 1.55 (sixteenth session).
 MAX_N = 4096
 BLOCK_N = 16
+
+# stream_linear: one H200, 28 calls on 28 weight copies in a CUDA graph (bench/stream_sweep.py, twenty-first
+# session), the 1.5B's down projection at 1 / 5 / 16 rows: 9.1 / 9.5 / 9.5 us against cuBLAS's 11.8 / 11.7
+# / 12.0 (split K in 5, tiles 64 x 256, 4 stages; 4 or 7 splits, 3 or 5 stages, 32-wide or 128-deep tiles:
+# 9.5-12 us). At 80 rows it took 15.7 us against cuBLAS's 11.7 whatever the tiles: 16 rows at most. On the
+# qkv / o_proj shapes it was within 0.5 us of skinny_linear, on gate_up (K = 1536) 0.6 us slower than
+# cuBLAS: a long K only.
+# On the 7B's down projection (3584 x 18944, 136 MB) cuBLAS reads at 3.6 TB/s (37.5 us at 1 row) and this
+# kernel's tiles and splits at 3.1-3.4: weights up to 64 MB only.
+STREAM_ENABLED = os.environ.get("SPECSPLIT_STREAM_LINEAR", "1") != "0"
+STREAM_MIN_K = 4096
+STREAM_MAX_BYTES = 64 << 20
+STREAM_TILES = dict(block_n=64, block_k=256, stages=4)
+STREAM_TILES_PER_SPLIT = 7  # K = 8960: 35 tiles of 256 -> 5 splits of 7
 
 
 @triton.jit
@@ -120,15 +140,159 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     return out.view(*x.shape[:-1], n)
 
 
+@triton.jit
+def _stream_linear_kernel(
+    x_ptr,  # [M, K] activations, row stride stride_x, unit column stride
+    w_ptr,  # [N, K] weight, contiguous
+    b_ptr,  # [N] bias (read only when HAS_BIAS and SPLIT_K == 1)
+    out_ptr,  # SPLIT_K == 1: [M, N] contiguous in x's dtype; else [SPLIT_K, M, N] fp32 partial sums
+    M,
+    N,
+    K,
+    stride_x,
+    K_PER_SPLIT: tl.constexpr,  # a multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,  # read the first weight tile before gdc_wait
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16 tl.dot is wrong: upcast there
+):
+    # grid (N blocks, splits, row blocks). A row's sum: its split's K tiles in order, then the splits in
+    # order (_split_sum_kernel): the same whatever the row count or BLOCK_M (16-128 rows a block gave the
+    # same bits on the H200, bench/stream_sweep.py).
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    n_valid = n < N
+    m_valid = m < M
+    k_start = tl.program_id(1) * K_PER_SPLIT
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    k_first = k_start
+    if PREFETCH:  # the weight does not depend on the previous kernel: its first tile is read meanwhile
+        w = tl.load(w_rows + (k_start + kk)[None, :], mask=n_valid[:, None] & (k_start + kk < K)[None, :],
+                    other=0.0)  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    if PREFETCH:
+        x = tl.load(x_rows + (k_start + kk)[None, :], mask=m_valid[:, None] & (k_start + kk < K)[None, :],
+                    other=0.0)  # fmt: skip
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        k_first = k_start + BLOCK_K
+    for k0 in tl.range(k_first, k_start + K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + kk
+        k_valid = k < K
+        w = tl.load(w_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    out_mask = m_valid[:, None] & n_valid[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)  # fmt: skip
+    else:
+        part = out_ptr + tl.program_id(1).to(tl.int64) * M * N
+        tl.store(part + m.to(tl.int64)[:, None] * N + n[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _split_sum_kernel(
+    part_ptr,  # [SPLIT_K, total] fp32 partial sums
+    b_ptr,  # [N] bias (read only when HAS_BIAS)
+    out_ptr,  # [total] = [M, N] contiguous, the output dtype
+    total,  # M * N
+    N,
+    SPLIT_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    fused._kernel_start(PDL)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = i < total
+    acc = tl.load(part_ptr + i, mask=valid, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):  # in split order, one by one
+        acc += tl.load(part_ptr + s * total + i, mask=valid, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + i % N, mask=valid, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def streams(rows: int, weight: Tensor) -> bool:
+    """Whether stream_linear serves rows x weight [N, K] in the model (else cuBLAS): a long K, 16-bit."""
+    return (
+        0 < rows <= MAX_ROWS
+        and weight.shape[1] >= STREAM_MIN_K
+        and weight.numel() * weight.element_size() <= STREAM_MAX_BYTES
+        and weight.element_size() == 2
+        and weight.is_contiguous()
+    )
+
+
+def stream_linear(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    block_n: int = STREAM_TILES["block_n"],
+    block_k: int = STREAM_TILES["block_k"],
+    stages: int = STREAM_TILES["stages"],
+    split_k: int | None = None,
+    prefetch: bool = True,
+    block_m: int = 16,
+    warps: int = 4,
+) -> Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype: the streaming kernel, then (K
+    split in more than one) the split sum. The keywords are the tiles (bench/stream_sweep.py sweeps them);
+    split_k None: STREAM_TILES_PER_SPLIT tiles of K per split."""
+    n, k = weight.shape
+    x2 = fused.rows_of(x)
+    rows = x2.shape[0]
+    tiles = triton.cdiv(k, block_k)
+    if split_k is None:
+        split_k = max(1, round(tiles / STREAM_TILES_PER_SPLIT))
+    k_per_split = triton.cdiv(tiles, split_k) * block_k
+    split_k = triton.cdiv(k, k_per_split)  # no empty split
+    opts = fused.launch_options(x)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    target = out if split_k == 1 else torch.empty((split_k, rows, n), dtype=torch.float32, device=x.device)
+    _stream_linear_kernel[(triton.cdiv(n, block_n), split_k, triton.cdiv(rows, block_m))](
+        x2, weight, bias if bias is not None else weight, target, rows, n, k, x2.stride(0),
+        K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        NUM_STAGES=stages, PREFETCH=prefetch, HAS_BIAS=bias is not None, DOT_FP32=fused.INTERPRETED,
+        num_warps=warps, **opts,
+    )  # fmt: skip
+    if split_k > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(rows * n, block),)](
+            target, bias if bias is not None else weight, out, rows * n, n, SPLIT_K=split_k, BLOCK=block,
+            HAS_BIAS=bias is not None, **opts,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear, through skinny_linear on the GPU where it fits (every linear layer of the model calls it)."""
-    if (
-        ENABLED
-        and fused.on_gpu(x)
-        and (fused.pdl(x) or not REQUIRE_PDL)
-        and fits(x.numel() // x.shape[-1], weight)
-    ):
-        return skinny_linear(x, weight, bias)
+    """F.linear, through skinny_linear or stream_linear on the GPU where they fit (every linear layer of
+    the model calls it). Which kernel serves a call depends only on its row count and the weight."""
+    if fused.on_gpu(x) and (fused.pdl(x) or not REQUIRE_PDL):
+        rows = x.numel() // x.shape[-1]
+        if ENABLED and fits(rows, weight):
+            return skinny_linear(x, weight, bias)
+        if STREAM_ENABLED and streams(rows, weight):
+            return stream_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -139,4 +303,7 @@ def describe(x: Tensor) -> str:
     if not fused.pdl(x):
         return "Triton fused kernels, PDL off, cuBLAS GEMMs"
     small = f"skinny_linear up to {MAX_ROWS} rows" if ENABLED else "skinny_linear off"
-    return f"Triton fused kernels with PDL, {small}, cuBLAS elsewhere"
+    long = "stream_linear off"
+    if STREAM_ENABLED:
+        long = f"stream_linear for K >= {STREAM_MIN_K} up to {MAX_ROWS} rows"
+    return f"Triton fused kernels with PDL, {small}, {long}, cuBLAS elsewhere"
