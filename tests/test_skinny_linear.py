@@ -82,7 +82,7 @@ def test_stream_linear_matches_f_linear(rows, n, k, bias, split_k):
 
 def test_stream_linear_rows_are_independent_of_the_batch():
     """A row's output is bit-for-bit the same alone, among 5 or among 16 rows, and from 16- or 32-row
-    blocks: what keeps a plain step (1-16 rows) and the verify of the same tokens (5 per request) alike."""
+    blocks: what keeps a B=1 plain step (1 row) and its width-5 verify (5 rows) alike."""
     x, w, b = _operands(16, 64, 1280, True, seed=3)
     tiles = dict(block_n=32, block_k=64, stages=2, split_k=4)
     full = skinny.stream_linear(x, w, b, **tiles)
@@ -94,8 +94,8 @@ def test_stream_linear_rows_are_independent_of_the_batch():
 
 def test_streams_takes_a_long_k_at_few_rows_only():
     down = torch.empty(1536, 8960, dtype=torch.bfloat16)  # the 1.5B's down projection
-    assert skinny.streams(1, down) and skinny.streams(16, down) and not skinny.fits(5, down)
-    assert not skinny.streams(17, down) and not skinny.streams(0, down)
+    assert skinny.streams(1, down) and skinny.streams(5, down) and not skinny.fits(5, down)
+    assert not skinny.streams(6, down) and not skinny.streams(0, down)  # B=1's plain and verify steps only
     assert not skinny.streams(5, torch.empty(17920, 1536, dtype=torch.bfloat16))  # gate_up: cuBLAS
     assert not skinny.streams(5, torch.empty(1536, 8960))  # fp32
     assert not skinny.streams(5, down.t())  # not contiguous
@@ -213,7 +213,7 @@ def test_describe_names_the_kernel_path(monkeypatch):
     assert skinny.describe(x) == "Triton fused kernels, PDL off, cuBLAS GEMMs"
     monkeypatch.setattr(fused, "pdl", lambda t: True)
     assert "skinny_linear up to 16 rows" in skinny.describe(x)
-    assert "stream_linear for K >= 4096 up to 16 rows" in skinny.describe(x)
+    assert "stream_linear for K >= 4096 up to 5 rows" in skinny.describe(x)
     monkeypatch.setattr(skinny, "ENABLED", False)
     monkeypatch.setattr(skinny, "STREAM_ENABLED", False)
     assert "skinny_linear off" in skinny.describe(x) and "stream_linear off" in skinny.describe(x)

@@ -56,7 +56,7 @@ BLOCK_N = 16
 # stream_linear: one H200, 28 calls on 28 weight copies in a CUDA graph (bench/stream_sweep.py, twenty-first
 # session), the 1.5B's down projection at 1 / 5 / 16 rows: 9.1 / 9.5 / 9.5 us against cuBLAS's 11.8 / 11.7
 # / 12.0 (split K in 5, tiles 64 x 256, 4 stages; 4 or 7 splits, 3 or 5 stages, 32-wide or 128-deep tiles:
-# 9.5-12 us). At 80 rows it took 15.7 us against cuBLAS's 11.7 whatever the tiles: 16 rows at most. On the
+# 9.5-12 us). At 80 rows it took 15.7 us against cuBLAS's 11.7 whatever the tiles. On the
 # qkv / o_proj shapes it was within 0.5 us of skinny_linear, on gate_up (K = 1536) 0.6 us slower than
 # cuBLAS: a long K only.
 # On the 7B's down projection (3584 x 18944, 136 MB) cuBLAS reads at 3.6 TB/s (37.5 us at 1 row) and this
@@ -66,6 +66,11 @@ STREAM_MIN_K = 4096
 STREAM_MAX_BYTES = 64 << 20
 STREAM_TILES = dict(block_n=64, block_k=256, stages=4)
 STREAM_TILES_PER_SPLIT = 7  # K = 8960: 35 tiles of 256 -> 5 splits of 7
+# Rows: a B=1 step, plain (1 row) or its width-5 verify (5 rows), both here, so they sum alike. Served up to
+# 16 rows, the serving bench's bf16 speculative output equalled plain in 0-1/16 sequences at B=16 and 0/4
+# at B=4 (14-16/16 and 0-4/4 before; every divergence a tie or near-tie): a plain step of 4-16 rows ran
+# here and its verify (20-80 rows) in cuBLAS, which sums K in another order (twenty-first session).
+STREAM_MAX_ROWS = 5
 
 
 @triton.jit
@@ -234,7 +239,7 @@ def _split_sum_kernel(
 def streams(rows: int, weight: Tensor) -> bool:
     """Whether stream_linear serves rows x weight [N, K] in the model (else cuBLAS): a long K, 16-bit."""
     return (
-        0 < rows <= MAX_ROWS
+        0 < rows <= STREAM_MAX_ROWS
         and weight.shape[1] >= STREAM_MIN_K
         and weight.numel() * weight.element_size() <= STREAM_MAX_BYTES
         and weight.element_size() == 2
@@ -305,5 +310,5 @@ def describe(x: Tensor) -> str:
     small = f"skinny_linear up to {MAX_ROWS} rows" if ENABLED else "skinny_linear off"
     long = "stream_linear off"
     if STREAM_ENABLED:
-        long = f"stream_linear for K >= {STREAM_MIN_K} up to {MAX_ROWS} rows"
+        long = f"stream_linear for K >= {STREAM_MIN_K} up to {STREAM_MAX_ROWS} rows"
     return f"Triton fused kernels with PDL, {small}, {long}, cuBLAS elsewhere"
