@@ -102,67 +102,62 @@ def test_streams_takes_a_long_k_at_few_rows_only():
     assert not skinny.streams(5, torch.empty(3584, 18944, dtype=torch.bfloat16))  # the 7B's: cuBLAS
 
 
-def test_model_sends_its_small_projections_to_skinny(tmp_path, monkeypatch):
-    """A bf16 model on the kernel path (interpreted on the CPU): qkv and o_proj of each layer (and the
-    small MLP here) go to skinny_linear at 5 rows, to cuBLAS at 40 rows or with skinny_linear off; the
-    hidden states match the path with every GEMM on cuBLAS within bf16 rounding."""
-    path = make_tiny_model(tmp_path / "m", seed=4, num_layers=2, architecture="Qwen2ForCausalLM")
-    model = load_model(path, Comm(), device=DEVICE, dtype=torch.bfloat16)
+def _forwards_with_and_without(model, monkeypatch, switch: str, calls: list) -> dict:
+    """A bf16 model on the kernel path (interpreted on the CPU), skinny's flag `switch` on and off: a 5-row
+    forward, then a 40-row prefill. {on: (calls during the 5 rows, all calls)}; the two hidden states of the
+    5 rows match within bf16 rounding."""
     monkeypatch.setattr(fused, "on_gpu", lambda x: True)
-    calls = []
-    real = skinny.skinny_linear
-    monkeypatch.setattr(
-        skinny, "skinny_linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or real(x, w, b)
-    )
-    outs = {}
+    runs, outs = {}, {}
     for enabled in (True, False):
-        monkeypatch.setattr(skinny, "ENABLED", enabled)
+        monkeypatch.setattr(skinny, switch, enabled)
         calls.clear()
         cache = KVCache.for_model(model, 2, 64)
         with torch.inference_mode():
             outs[enabled] = forward_rows(model, cache, [0], [0], [[5, 6, 7, 8, 9]]).float()
             five = list(calls)
             forward_rows(model, cache, [1], [0], [list(range(40))])
-        if enabled:
-            cfg = model.config
-            hd = cfg.head_dim
-            qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, cfg.hidden_size)
-            assert five.count(qkv) == 2 and five.count((cfg.hidden_size, cfg.num_attention_heads * hd)) == 2
-            assert len(calls) == len(five)  # the 40-row prefill: none
-        else:
-            assert calls == []
+        runs[enabled] = (five, list(calls))
     torch.testing.assert_close(outs[True], outs[False], rtol=0.05, atol=0.05)
+    return runs
+
+
+def test_model_sends_its_small_projections_to_skinny(tmp_path, monkeypatch):
+    """qkv and o_proj of each layer (and the small MLP here) go to skinny_linear at 5 rows, to cuBLAS at 40
+    rows or with skinny_linear off; the hidden states match the all-cuBLAS path within bf16 rounding."""
+    path = make_tiny_model(tmp_path / "m", seed=4, num_layers=2, architecture="Qwen2ForCausalLM")
+    model = load_model(path, Comm(), device=DEVICE, dtype=torch.bfloat16)
+    calls = []
+    real = skinny.skinny_linear
+    monkeypatch.setattr(
+        skinny, "skinny_linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or real(x, w, b)
+    )
+    runs = _forwards_with_and_without(model, monkeypatch, "ENABLED", calls)
+    five, everything = runs[True]
+    cfg = model.config
+    hd = cfg.head_dim
+    qkv = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd, cfg.hidden_size)
+    assert five.count(qkv) == 2 and five.count((cfg.hidden_size, cfg.num_attention_heads * hd)) == 2
+    assert everything == five  # the 40-row prefill: none
+    assert runs[False] == ([], [])
 
 
 def test_model_sends_its_down_projection_to_stream(tmp_path, monkeypatch):
     """With the long-K threshold at the tiny model's MLP width, each layer's down projection goes to
-    stream_linear at 5 rows and to cuBLAS at 40 (the
-    prefill); the hidden states match the all-cuBLAS path within bf16 rounding."""
+    stream_linear at 5 rows and to cuBLAS at 40 (the prefill); the hidden states match the all-cuBLAS path
+    within bf16 rounding."""
     path = make_tiny_model(tmp_path / "m", seed=5, num_layers=2, architecture="Qwen2ForCausalLM")
     model = load_model(path, Comm(), device=DEVICE, dtype=torch.bfloat16)
     cfg = model.config
-    monkeypatch.setattr(fused, "on_gpu", lambda x: True)
     monkeypatch.setattr(skinny, "ENABLED", False)  # skinny_linear off: only the stream path differs
     monkeypatch.setattr(skinny, "STREAM_MIN_K", cfg.intermediate_size)
     calls = []
     real = skinny.stream_linear
-
-    def spy(x, w, b=None, **kw):
-        calls.append((x.numel() // x.shape[-1], tuple(w.shape), kw))
-        return real(x, w, b, **kw)
-
-    monkeypatch.setattr(skinny, "stream_linear", spy)
-    outs = {}
-    for enabled in (True, False):
-        monkeypatch.setattr(skinny, "STREAM_ENABLED", enabled)
-        calls.clear()
-        cache = KVCache.for_model(model, 2, 64)
-        with torch.inference_mode():
-            outs[enabled] = forward_rows(model, cache, [0], [0], [[5, 6, 7, 8, 9]]).float()
-            forward_rows(model, cache, [1], [0], [list(range(40))])
-        want = [(5, (cfg.hidden_size, cfg.intermediate_size), {})] * 2
-        assert calls == (want if enabled else [])
-    torch.testing.assert_close(outs[True], outs[False], rtol=0.05, atol=0.05)
+    monkeypatch.setattr(
+        skinny, "stream_linear", lambda x, w, b=None: calls.append(tuple(w.shape)) or real(x, w, b)
+    )
+    runs = _forwards_with_and_without(model, monkeypatch, "STREAM_ENABLED", calls)
+    down = (cfg.hidden_size, cfg.intermediate_size)
+    assert runs[True] == ([down] * 2, [down] * 2) and runs[False] == ([], [])
 
 
 @pytest.mark.gpu
