@@ -1,5 +1,7 @@
 # Sourced by the bench/device_*.sh scripts on the GPU machine: $OUT, the wheels the image lacks (carried
-# in .whl: grpcio-health-checking, grpcio-reflection, py-spy) in /tmp/site, and the environment.
+# in .whl: grpcio-health-checking, grpcio-reflection, py-spy) in /tmp/site, and the environment. The two
+# grpcio wheels must be the image's grpcio version (1.84.0): 1.84.2's generated code refuses to import
+# under grpcio 1.84.0 (the twenty-first session's call 4 lost its serving bench to that).
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 [ -d /tmp/site/grpc_health ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \

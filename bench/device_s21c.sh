@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The twenty-first session's main call on one H200: the GPU tests, the graphed 1.5B forward of .wt/base
-# (9558099, before stream_linear) against this tree (stream_linear for the down projection at <= 16 rows,
-# its split partials summed by the next norm), interleaved, 3 rounds (bench/device_s20.sh), then the
+# The twenty-first session's call 4 on one H200: the GPU tests, the graphed 1.5B forward of .wt/base
+# (9558099, before stream_linear) against this tree, interleaved, 3 rounds (bench/device_s20.sh), then the
 # serving bench (bench/device_s11.sh: plain, fixed and adaptive with the draft in the target, B = 1, 4,
-# 16, 64), its files in one $OUT/serving-s21.tgz (a call returns at most 8 files).
+# 16, 64; in call 4 it failed to start: the carried grpcio-health-checking wheel needed a newer grpcio),
+# its files in one $OUT/serving-s21.tgz (a call returns at most 8 files). Call 4 ran it on a since-reverted
+# tree whose down projection left its split partials to the next norm to sum; on main it measures
+# stream_linear as landed.
 #   bash bench/device_s21c.sh         # carry [".whl", ".wt/base"]
 set -uo pipefail
 source bench/device_env.sh

@@ -69,7 +69,12 @@ STREAM_TILES_PER_SPLIT = 7  # K = 8960: 35 tiles of 256 -> 5 splits of 7
 # Rows: a B=1 step, plain (1 row) or its width-5 verify (5 rows), both here, so they sum alike. Served up to
 # 16 rows, the serving bench's bf16 speculative output equalled plain in 0-1/16 sequences at B=16 and 0/4
 # at B=4 (14-16/16 and 0-4/4 before; every divergence a tie or near-tie): a plain step of 4-16 rows ran
-# here and its verify (20-80 rows) in cuBLAS, which sums K in another order (twenty-first session).
+# here and its verify (20-80 rows) in cuBLAS, which sums K in another order (twenty-first session). The
+# limit fits k <= 4: a B=1 request with k = 5-8 verifies 6-9 rows in cuBLAS while its plain steps run here,
+# and plain steps of B = 2-5 run here while their verify runs in cuBLAS: plain and verify then sum the down
+# projection in different orders (B=4 in the serving bench: 0-1/4 bf16 sequences identical to plain, every
+# divergence a tie). A down GEMM that sums alike at 1-80 rows and is not slower at 80 (this one takes 15.7
+# us there) would remove the limit.
 STREAM_MAX_ROWS = 5
 
 
@@ -146,6 +151,14 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 
 
 @triton.jit
+def _dot_acc(x, w, acc, DOT_FP32: tl.constexpr):
+    # acc [M, N] fp32 += x [M, K] @ w [N, K].T; the CPU interpreter's bf16 tl.dot is wrong: upcast there
+    if DOT_FP32:
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(x, tl.trans(w), acc)
+
+
+@triton.jit
 def _stream_linear_kernel(
     x_ptr,  # [M, K] activations, row stride stride_x, unit column stride
     w_ptr,  # [N, K] weight, contiguous
@@ -188,20 +201,14 @@ def _stream_linear_kernel(
     if PREFETCH:
         x = tl.load(x_rows + (k_start + kk)[None, :], mask=m_valid[:, None] & (k_start + kk < K)[None, :],
                     other=0.0)  # fmt: skip
-        if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        acc = _dot_acc(x, w, acc, DOT_FP32)
         k_first = k_start + BLOCK_K
     for k0 in tl.range(k_first, k_start + K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + kk
         k_valid = k < K
         w = tl.load(w_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
+        acc = _dot_acc(x, w, acc, DOT_FP32)
     out_mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
