@@ -1,5 +1,6 @@
 """Fused kernels (the GPU path of the model) against their torch references: RMSNorm (with the residual
-add), rotary, SiLU-and-mul, rotary + KV write, and attention over the live KV (split and unsplit).
+add), rotary, SiLU-and-mul, attention over the live KV (split and unsplit), and the rotary + KV write +
+attention kernel the model runs.
 On the CPU they run under TRITON_INTERPRET=1 (as `make test` sets it)."""
 
 from __future__ import annotations
@@ -89,20 +90,65 @@ def _cache_case(dtype, bsz=3, seq=4, heads=4, kv_heads=2, head_dim=32, slots_n=5
     return q, k, v, caches, positions, slots
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [32, 96])  # 96: half a head is not a power of two (masked lanes)
-def test_rotary_and_cache_matches_reference(dtype, head_dim):
+@pytest.mark.parametrize(
+    "dtype,head_dim,splits,prefix",
+    [
+        (torch.float32, 32, 1, False),
+        (torch.bfloat16, 32, 2, False),  # split keys: only split 0's programs write the cache
+        (torch.float32, 96, None, False),  # half a head is not a power of two (masked lanes)
+        (torch.bfloat16, 32, 1, True),  # branch rows: a prefix from another slot, up to the row's start
+    ],
+)
+def test_rotary_attention_matches_reference(dtype, head_dim, splits, prefix):
+    """Rotary + KV write + attention in one kernel against the reference (rotary_and_cache_reference,
+    attention_reference): the output, every cache entry it writes, and none it should not."""
     q, k, v, (kc, vc), positions, slots = _cache_case(dtype, head_dim=head_dim)
     cos, sin = RotaryEmbedding(head_dim, 10000.0, None, device=DEVICE).table(kc.shape[1])
     kc2, vc2 = kc.clone(), vc.clone()
-    got = fused.rotary_and_cache(q, k, v, cos, sin, positions, slots, kc, vc)
-    want = fused.rotary_and_cache_reference(q, k, v, cos, sin, positions, slots, kc2, vc2)
+    branch = {}
+    if prefix:  # rows 1, 2 read their first 9 / 30 keys (all below their start) from slots 1 / 3
+        branch = dict(prefix_slots=torch.tensor([1, 1, 3], device=DEVICE),
+                      prefix_len=torch.tensor([0, 9, 30], device=DEVICE))  # fmt: skip
+    args = (positions, slots)
+    got = fused.rotary_attention(
+        q, k, v, cos, sin, *args, kc, vc, 40, head_dim**-0.5, num_splits=splits, **branch
+    )
+    want = fused.rotary_attention_reference(q, k, v, cos, sin, *args, kc2, vc2, 40, head_dim**-0.5, **branch)
+    assert got.shape == q.shape and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.float(), rtol=_tol(dtype), atol=_tol(dtype))
     torch.testing.assert_close(kc.float(), kc2.float(), rtol=_tol(dtype), atol=_tol(dtype))
     assert torch.equal(vc, vc2)  # V is copied, untouched
     untouched = torch.ones(kc.shape[:2], dtype=torch.bool, device=DEVICE)
     untouched[slots[:, None], positions] = False
     assert torch.equal(kc[untouched], kc2[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_attention_caches_the_keys_it_attended_to(dtype):
+    """Each program writes the step's keys it reads to the cache and reads them back from there, so a
+    query attends to the same bits in the verify step that computes it as in a later step that reads
+    them back (and a plain step's). Step A: 5 tokens at positions 10-14; step B: 5 tokens at 14-18, its
+    first token A's last. That token's output is bit for bit the same in both (same shapes, so the same
+    dot rounding even on the CPU interpreter), and so is every cache entry A wrote."""
+    g = torch.Generator().manual_seed(12)
+    heads, kv_heads, head_dim, max_len = 4, 2, 32, 64
+    kc, vc = (torch.randn(1, max_len, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE) for _ in "kv")
+    qkv = torch.randn(1, 9, heads + 2 * kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    cos, sin = RotaryEmbedding(head_dim, 10000.0, None, device=DEVICE).table(max_len)
+    slots = torch.tensor([0], device=DEVICE)
+
+    def step(first):
+        q, k, v = qkv[:, first : first + 5].split((heads, kv_heads, kv_heads), dim=2)
+        positions = torch.arange(10 + first, 15 + first, device=DEVICE)[None]
+        return fused.rotary_attention(q, k, v, cos, sin, positions, slots, kc, vc, max_len, head_dim**-0.5)
+
+    a = step(0)
+    written = kc[0, 10:15].clone()
+    b = step(4)
+    assert torch.equal(b[0, 0], a[0, 4])
+    assert torch.equal(kc[0, 10:14], written[:4])  # B rewrote position 14 only, with the same bits
+    assert torch.equal(kc[0, 14], written[4])
+    assert not torch.equal(b[0, 1], a[0, 4])  # power: another token's output differs
 
 
 @pytest.mark.parametrize(

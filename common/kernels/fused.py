@@ -210,92 +210,6 @@ def silu_and_mul_reference(x: Tensor) -> Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
-@triton.jit
-def _rotary_cache_kernel(
-    q_ptr,  # [tokens, num_heads, head_dim], token stride q_stride, heads contiguous
-    k_ptr,  # [tokens, num_kv_heads, head_dim], token stride k_stride
-    v_ptr,  # [tokens, num_kv_heads, head_dim], token stride v_stride
-    cos_ptr,  # [positions, head_dim] fp32 contiguous: row p for position p
-    sin_ptr,  # [positions, head_dim] fp32 contiguous
-    pos_ptr,  # [tokens] int64 (row-major [B, L])
-    slot_ptr,  # [B] int64
-    q_out_ptr,  # [tokens, num_heads, head_dim] contiguous, q's dtype
-    k_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
-    v_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
-    q_stride,
-    k_stride,
-    v_stride,
-    seq_len,
-    num_heads,
-    num_kv_heads,
-    max_len,
-    HALF: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    _kernel_start(PDL)
-    token = tl.program_id(0)
-    head = tl.program_id(1)  # [0, num_heads): a query head; [num_heads, num_heads + num_kv_heads): K and V
-    d = tl.arange(0, BLOCK)
-    mask = d < HALF
-    pos = tl.load(pos_ptr + token)
-    c1 = tl.load(cos_ptr + pos * 2 * HALF + d, mask=mask, other=0.0)
-    c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d, mask=mask, other=0.0)
-    s1 = tl.load(sin_ptr + pos * 2 * HALF + d, mask=mask, other=0.0)
-    s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d, mask=mask, other=0.0)
-    if head < num_heads:
-        src = q_ptr + token * q_stride + head * 2 * HALF
-        dst = q_out_ptr + (token * num_heads + head) * 2 * HALF
-    else:
-        kv_head = head - num_heads
-        slot = tl.load(slot_ptr + token // seq_len)
-        cache_off = ((slot * max_len + pos) * num_kv_heads + kv_head) * 2 * HALF
-        src = k_ptr + token * k_stride + kv_head * 2 * HALF
-        dst = k_cache_ptr + cache_off
-        v_src = v_ptr + token * v_stride + kv_head * 2 * HALF
-        tl.store(v_cache_ptr + cache_off + d, tl.load(v_src + d, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + cache_off + HALF + d, tl.load(v_src + HALF + d, mask=mask), mask=mask)
-    x1 = tl.load(src + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF + d, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dst + d, (x1 * c1 - x2 * s1).to(dst.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(dst.dtype.element_ty), mask=mask)
-
-
-def rotary_and_cache(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cos: Tensor,
-    sin: Tensor,
-    positions: Tensor,
-    slots: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-) -> Tensor:
-    """Rotates q and k and writes k, v into the cache at (slots[b], positions[b, l]); returns rotated q.
-
-    q [B, L, H, D], k, v [B, L, Hkv, D] (views into one qkv output are fine: only the last two dims
-    must be contiguous); cos, sin [P, D] fp32, row p for position p (`RotaryEmbedding.table`, P past
-    every position); positions [B, L]; slots [B]. One kernel.
-    """
-    bsz, seq, heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    tokens = bsz * seq
-    out = torch.empty((bsz, seq, heads, head_dim), dtype=q.dtype, device=q.device)
-    if tokens:
-        for t in (q, k, v):
-            assert t.stride(-1) == 1 and t.stride(-2) == head_dim and t.stride(0) == seq * t.stride(1)
-        for t in (cos, sin):
-            assert t.dim() == 2 and t.shape[1] == head_dim and t.is_contiguous() and t.dtype == torch.float32
-        half = head_dim // 2
-        _rotary_cache_kernel[(tokens, heads + kv_heads)](
-            q, k, v, cos, sin, positions.reshape(tokens).contiguous(), slots, out, k_cache, v_cache,
-            q.stride(1), k.stride(1), v.stride(1), seq, heads, kv_heads, k_cache.shape[1],
-            HALF=half, BLOCK=triton.next_power_of_2(half), **launch_options(q),
-        )  # fmt: skip
-    return out
-
-
 def rotary_and_cache_reference(
     q: Tensor,
     k: Tensor,
@@ -307,6 +221,8 @@ def rotary_and_cache_reference(
     k_cache: Tensor,
     v_cache: Tensor,
 ) -> Tensor:
+    """Rotates q and k and writes k, v into the cache at (slots[b], positions[b, l]); returns rotated q.
+    Shapes as `rotary_attention`, whose first half this is."""
     cos, sin = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)  # [B, L, 1, D]
     rows = slots.unsqueeze(1)
     k_cache[rows, positions] = apply_rotary_reference(k, cos, sin)
@@ -315,8 +231,22 @@ def rotary_and_cache_reference(
 
 
 @triton.jit
+def _rope(x, partner, cos, sin, d, HALF: tl.constexpr):
+    # Rotate-half rotary (RotaryEmbedding) of fp32 x [R, BLOCK_D] at lanes d [BLOCK_D], partner = x at lanes
+    # (d + HALF) % head_dim, cos / sin the rows of x's positions: x * cos + (-partner | partner) * sin.
+    # One rounded product and one explicit fused multiply-add: every program writing a key writes the
+    # same bits, whatever the compiler would have contracted.
+    signed = tl.where(d[None, :] < HALF, -partner, partner)
+    return tl.fma(x, cos, signed * sin)
+
+
+@triton.jit
 def _attention_kernel(
-    q_ptr,  # [B, L, num_heads, head_dim] contiguous
+    q_ptr,  # [B, L, num_heads, head_dim], token stride q_stride, heads contiguous; ROTARY: not yet rotated
+    k_ptr,  # ROTARY: this step's keys [B, L, num_kv_heads, head_dim], token stride k_stride, not rotated
+    v_ptr,  # ROTARY: this step's values [B, L, num_kv_heads, head_dim], token stride v_stride
+    cos_ptr,  # ROTARY: [positions, head_dim] fp32 contiguous, row p for position p
+    sin_ptr,  # ROTARY: [positions, head_dim] fp32 contiguous
     k_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
     v_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
     pos_ptr,  # [B, L] int64 contiguous, non-decreasing along L
@@ -326,6 +256,9 @@ def _attention_kernel(
     out_ptr,  # SPLITS == 1: [B, L, num_heads, head_dim] q's dtype; else fp32 [B, L, heads, SPLITS, head_dim]
     lse_ptr,  # fp32 [B, L, num_heads, SPLITS] log2-sum-exp of each split (only when SPLITS > 1)
     qk_scale,  # softmax scale * log2(e)
+    q_stride,
+    k_stride,
+    v_stride,
     seq_len,
     num_heads,
     num_kv_heads,
@@ -340,6 +273,8 @@ def _attention_kernel(
     PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16/fp16 tl.dot is wrong: upcast there
     HAS_PREFIX: tl.constexpr,  # branch rows: a shared prefix read from another slot (False: plain rows)
+    BLOCK_T: tl.constexpr,  # ROTARY: this step's tokens written per pass
+    ROTARY: tl.constexpr,  # rotate q and this step's k here, write k and v to the cache (`rotary_attention`)
     PDL: tl.constexpr,
 ):
     _kernel_start(PDL)
@@ -354,18 +289,52 @@ def _attention_kernel(
     head = kv_head * GROUP + m // seq_len
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
-    q_off = ((b * seq_len + tok) * num_heads + head).to(tl.int64) * HEAD_DIM
-    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    half: tl.constexpr = HEAD_DIM // 2
+    partner_d = (d + half) % HEAD_DIM
+    row_mask = m_valid[:, None] & d_valid[None, :]
+    token = (b * seq_len + tok).to(tl.int64)
+    q_at = q_ptr + token[:, None] * q_stride + (head * HEAD_DIM)[:, None]
+    q = tl.load(q_at + d[None, :], mask=row_mask, other=0.0)
     q_pos = tl.load(pos_ptr + b * seq_len + tok, mask=m_valid, other=-1)
+    slot = tl.load(slot_ptr + b)
     # Only the live keys: none past the last query position of this block (reads no stale or empty KV).
     start = split * chunk
     end = tl.minimum(start + chunk, tl.max(q_pos, axis=0) + 1)
-    slot = tl.load(slot_ptr + b)
     kv_base = slot * max_len * num_kv_heads * HEAD_DIM + kv_head * HEAD_DIM
     row_stride = num_kv_heads * HEAD_DIM
+    if ROTARY:
+        rope_at = q_pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
+        cos = tl.load(cos_ptr + rope_at, mask=row_mask, other=0.0)
+        sin = tl.load(sin_ptr + rope_at, mask=row_mask, other=0.0)
+        q_partner = tl.load(q_at + partner_d[None, :], mask=row_mask, other=0.0)
+        # This step's tokens whose keys this program reads (positions in [start, end)): rotate their k
+        # and write it and their v to the cache, then read every key from the cache as usual. Each
+        # program writes the ones it reads (programs sharing a key write the same bits), and the barrier
+        # makes its writes visible to its own threads: no order between programs is needed.
+        for t0 in range(0, seq_len, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            t_pos = tl.load(pos_ptr + b * seq_len + t, mask=t < seq_len, other=-1)
+            fresh = ((t_pos >= start) & (t_pos < end))[:, None] & d_valid[None, :]
+            t_tok = (b * seq_len + t).to(tl.int64)[:, None]
+            k_at = k_ptr + t_tok * k_stride + kv_head * HEAD_DIM
+            t_rope = t_pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
+            k_new = _rope(
+                tl.load(k_at + d[None, :], mask=fresh, other=0.0).to(tl.float32),
+                tl.load(k_at + partner_d[None, :], mask=fresh, other=0.0).to(tl.float32),
+                tl.load(cos_ptr + t_rope, mask=fresh, other=0.0),
+                tl.load(sin_ptr + t_rope, mask=fresh, other=0.0),
+                d,
+                half,
+            )
+            v_new = tl.load(v_ptr + t_tok * v_stride + kv_head * HEAD_DIM + d[None, :], mask=fresh)
+            cache_at = kv_base + t_pos.to(tl.int64)[:, None] * row_stride + d[None, :]
+            tl.store(k_cache_ptr + cache_at, k_new.to(k_cache_ptr.dtype.element_ty), mask=fresh)
+            tl.store(v_cache_ptr + cache_at, v_new, mask=fresh)
+        q = _rope(q.to(tl.float32), q_partner.to(tl.float32), cos, sin, d, half).to(q_ptr.dtype.element_ty)
+        tl.debug_barrier()
     if HAS_PREFIX:
         # A branch row shares its first prefix_len keys with another request's slot instead of holding a
-        # copy: those keys are read there, the rest (its own tokens, written by rotary_and_cache) in `slot`.
+        # copy: those keys are read there, the rest (its own tokens) in `slot`.
         prefix_slot = tl.load(prefix_slot_ptr + b)
         prefix_len = tl.load(prefix_len_ptr + b)
         prefix_base = prefix_slot * max_len * num_kv_heads * HEAD_DIM + kv_head * HEAD_DIM
@@ -507,11 +476,55 @@ def attention(
     num_splits, block_m: force the split count / query rows per program (tests and
     bench/attention_invariance.py); by default chunks of `split_chunk` keys and the rows of the step.
     """
+    return _attention(q.contiguous(), None, k_cache, v_cache, slots, positions, ctx_len, scale, num_splits,
+                      prefix_slots, prefix_len, block_m)  # fmt: skip
+
+
+def rotary_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    ctx_len: int,
+    scale: float,
+    num_splits: int | None = None,
+    prefix_slots: Tensor | None = None,
+    prefix_len: Tensor | None = None,
+    block_m: int | None = None,
+) -> Tensor:
+    """Rotary on q and k, k and v written to the cache at (slots[b], positions[b, l]), and `attention`
+    over it, in one kernel (rotary_and_cache_reference, then attention_reference).
+
+    q [B, L, H, D], k, v [B, L, Hkv, D] not yet rotated (views into one qkv output are fine: only the
+    last two dims must be contiguous); cos, sin [P, D] fp32, row p for position p
+    (`RotaryEmbedding.table`); positions [B, L]; the rest as `attention`. Each program writes the keys
+    and values of this step's tokens that it reads (programs reading the same ones write the same bits)
+    and reads them back from the cache, in the same blocks as any other key: a query's sum does not
+    depend on whether its keys are this step's or older. The rotary and cache write took their own
+    kernel before, 2-3 us per layer at B = 1-16 on an H200, which the attention waited for.
+    """
+    seq, head_dim = q.shape[1], q.shape[3]
+    for t in (q, k, v):
+        rows = t.shape[0] == 1 or t.stride(0) == seq * t.stride(1)  # token b * L + l at l's stride
+        assert t.stride(-1) == 1 and t.stride(-2) == head_dim and rows, (tuple(t.shape), t.stride())
+    for t in (cos, sin):
+        assert t.dim() == 2 and t.shape[1] == head_dim and t.is_contiguous() and t.dtype == torch.float32
+    return _attention(q, (k, v, cos, sin), k_cache, v_cache, slots, positions, ctx_len, scale, num_splits,
+                      prefix_slots, prefix_len, block_m)  # fmt: skip
+
+
+def _attention(q, rotary, k_cache, v_cache, slots, positions, ctx_len, scale, num_splits, prefix_slots,
+               prefix_len, block_m) -> Tensor:  # fmt: skip
     bsz, seq, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     block_m = block_m or max(16, min(64, triton.next_power_of_2(group * seq)))
-    block_n = 64
+    block_n = 64  # 128-key blocks: 0.02 ms slower per step at B = 1 and 16 (twenty-second session)
     m_blocks = triton.cdiv(group * seq, block_m)
     forced = num_splits or _EAGER_SPLITS[0]
     if forced:  # a given count (tests, eager forwards): even chunks
@@ -523,9 +536,9 @@ def attention(
     assert has_prefix == (prefix_len is not None), "prefix_slots and prefix_len: both or neither"
     if not has_prefix:
         prefix_slots, prefix_len = slots, slots  # never read (HAS_PREFIX=False)
-    q = q.contiguous()
+    k, v, cos, sin = rotary if rotary is not None else (q, q, q, q)  # never read without ROTARY
     positions = positions.contiguous()
-    out = torch.empty_like(q)
+    out = torch.empty((bsz, seq, heads, head_dim), dtype=q.dtype, device=q.device)
     if splits == 1:
         part, lse = out, out  # lse unused
     else:
@@ -534,10 +547,11 @@ def attention(
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     block_d = max(16, triton.next_power_of_2(head_dim))
     _attention_kernel[(bsz * kv_heads, m_blocks, splits)](
-        q, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse,
-        scale * 1.4426950408889634, seq, heads, kv_heads, k_cache.shape[1], chunk,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits,
-        PRECISION=precision, DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix, **launch_options(q),
+        q, k, v, cos, sin, k_cache, v_cache, positions, slots, prefix_slots, prefix_len, part, lse,
+        scale * 1.4426950408889634, q.stride(1), k.stride(1), v.stride(1), seq, heads, kv_heads,
+        k_cache.shape[1], chunk, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+        BLOCK_N=block_n, SPLITS=splits, PRECISION=precision, DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix,
+        BLOCK_T=min(16, triton.next_power_of_2(seq)), ROTARY=rotary is not None, **launch_options(q),
     )  # fmt: skip
     if splits > 1:
         rows = bsz * seq * heads
@@ -585,3 +599,33 @@ def attention_reference(
     probs = scores.softmax(-1).to(values.dtype).view(bsz, nkv, group * seq, ctx_len)
     out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, nkv, group * seq, hd]
     return out.view(bsz, nkv, group, seq, head_dim).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads, head_dim)
+
+
+def rotary_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    ctx_len: int,
+    scale: float,
+    prefix_slots: Tensor | None = None,
+    prefix_len: Tensor | None = None,
+) -> Tensor:
+    """`rotary_attention` in eager torch: the rotary and cache write, then the attention over the cache."""
+    q = rotary_and_cache_reference(q, k, v, cos, sin, positions, slots, k_cache, v_cache)
+    return attention_reference(
+        q,
+        k_cache,
+        v_cache,
+        slots,
+        positions,
+        ctx_len,
+        scale,
+        prefix_slots=prefix_slots,
+        prefix_len=prefix_len,
+    )

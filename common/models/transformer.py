@@ -8,9 +8,9 @@ over its slot's keys up to its own position (a "branch" row reads a prefix it sh
 request from that request's slot instead: `Transformer.forward`'s prefix). No host syncs, static shapes
 per (B, L, ctx_len).
 
-On the GPU a layer is: add+RMSNorm, qkv GEMM, rotary+KV write, attention, o_proj, add+RMSNorm, gate_up
-GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py, launched with PDL on Hopper; qkv and o_proj at
-up to 16 rows in common/kernels/skinny.py); on the CPU the torch references of the same.
+On the GPU a layer is: add+RMSNorm, qkv GEMM, rotary + KV write + attention (one kernel), o_proj,
+add+RMSNorm, gate_up GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py, launched with PDL on Hopper;
+qkv and o_proj at up to 16 rows in common/kernels/skinny.py); on the CPU the torch references of the same.
 """
 
 from __future__ import annotations
@@ -74,16 +74,13 @@ class Attention(nn.Module):
         q, k, v = qkv.split((nh, nkv, nkv), dim=2)  # views: the fused kernel reads them in place
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        gpu = fused.on_gpu(x)
-        # Rotary on q and k and the K/V cache write in one kernel; then attention over the live KV only.
-        rotary_and_cache = fused.rotary_and_cache if gpu else fused.rotary_and_cache_reference
-        q = rotary_and_cache(q, k, v, *rope, positions, slots, k_cache, v_cache)
-        attend = fused.attention if gpu else fused.attention_reference
+        # Rotary on q and k, the K/V cache write and attention over the live KV, in one kernel.
+        attend = fused.rotary_attention if fused.on_gpu(x) else fused.rotary_attention_reference
         # Branch rows (prefix given) read their shared prefix's KV from another slot; their own new K/V
-        # went into `slots` above as for any row.
+        # go into `slots` as for any row.
         prefix_slots, prefix_len = prefix if prefix is not None else (None, None)
         out = attend(
-            q, k_cache, v_cache, slots, positions, ctx_len, self.scale,
+            q, k, v, *rope, positions, slots, k_cache, v_cache, ctx_len, self.scale,
             prefix_slots=prefix_slots, prefix_len=prefix_len,
         )  # fmt: skip
         return self.o_proj(out.reshape(bsz, seq, nh * hd))
