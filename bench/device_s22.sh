@@ -2,10 +2,11 @@
 # The twenty-second session's forward A/B on one H200: the GPU tests of the kernels and the model, then the
 # graphed 1.5B forward (bench/profile_step.py) in configurations run interleaved, $REPS rounds (the first
 # with the per-kernel profile), every run's JSON in $OUT/steps.json. A configuration is NAME=DIR[,VAR=VALUE...]:
-#   base=.wt/base                                   main at the session's start (14aaa22, carried)
-#   new=.                                           this tree (SiLU-and-mul inside the down GEMM at B=1)
-#   a128=.,SPECSPLIT_ATTENTION_BLOCK_N=128,SPECSPLIT_ATTENTION_STAGES=1   ... with 128-key attention blocks
-# Runs stop being started after $BUDGET seconds (default 480).
+#   base=.wt/base        main at the session's start (14aaa22, carried)
+#   new=.                this tree
+#   name=.,VAR=VALUE     this tree with an environment switch (calls 1-2 used switches of trees since
+#                        reverted: SPECSPLIT_ATTENTION_BLOCK_N/_STAGES/_WARPS, SPECSPLIT_SKIP; docs/benchmarks.md)
+# Runs stop being started after $BUDGET seconds (default 480). $TESTS overrides the GPU test files.
 #   rm -rf .wt/base && mkdir -p .wt/base && git archive 14aaa22 $(git ls-tree --name-only 14aaa22 \
 #     | grep -v '^drafts$\|^docs$') | tar -x -C .wt/base
 #   bash bench/device_s22.sh            # carry [".whl", ".wt/base"]
