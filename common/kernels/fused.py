@@ -241,6 +241,56 @@ def _rope(x, partner, cos, sin, d, HALF: tl.constexpr):
 
 
 @triton.jit
+def _write_step_kv(
+    k_ptr,  # [B, L, num_kv_heads, head_dim] this step's keys, not rotated, token stride k_stride
+    v_ptr,  # [B, L, num_kv_heads, head_dim] this step's values, token stride v_stride
+    cos_ptr,  # [positions, head_dim] fp32
+    sin_ptr,  # [positions, head_dim] fp32
+    pos_ptr,  # [B, L] int64
+    k_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
+    v_cache_ptr,  # [slots, max_len, num_kv_heads, head_dim]
+    b,
+    kv_head,
+    kv_base,  # offset of (row b's slot, position 0, kv_head) in the caches
+    row_stride,  # num_kv_heads * head_dim: one position
+    start,
+    end,
+    k_stride,
+    v_stride,
+    seq_len,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # The tokens of row b whose positions fall in [start, end) (the keys an attention program reads):
+    # k rotated, k and v written to the cache at (slot, position, kv_head), BLOCK_T tokens a pass.
+    # Every program that writes a token writes the same bits (`_rope`).
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    half: tl.constexpr = HEAD_DIM // 2
+    partner_d = (d + half) % HEAD_DIM
+    for t0 in range(0, seq_len, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_pos = tl.load(pos_ptr + b * seq_len + t, mask=t < seq_len, other=-1)
+        fresh = ((t_pos >= start) & (t_pos < end))[:, None] & d_valid[None, :]
+        t_tok = (b * seq_len + t).to(tl.int64)[:, None]
+        k_at = k_ptr + t_tok * k_stride + kv_head * HEAD_DIM
+        t_rope = t_pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
+        k_new = _rope(
+            tl.load(k_at + d[None, :], mask=fresh, other=0.0).to(tl.float32),
+            tl.load(k_at + partner_d[None, :], mask=fresh, other=0.0).to(tl.float32),
+            tl.load(cos_ptr + t_rope, mask=fresh, other=0.0),
+            tl.load(sin_ptr + t_rope, mask=fresh, other=0.0),
+            d,
+            half,
+        )
+        v_new = tl.load(v_ptr + t_tok * v_stride + kv_head * HEAD_DIM + d[None, :], mask=fresh)
+        cache_at = kv_base + t_pos.to(tl.int64)[:, None] * row_stride + d[None, :]
+        tl.store(k_cache_ptr + cache_at, k_new.to(k_cache_ptr.dtype.element_ty), mask=fresh)
+        tl.store(v_cache_ptr + cache_at, v_new, mask=fresh)
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr,  # [B, L, num_heads, head_dim], token stride q_stride, heads contiguous; ROTARY: not yet rotated
     k_ptr,  # ROTARY: this step's keys [B, L, num_kv_heads, head_dim], token stride k_stride, not rotated
@@ -307,29 +357,12 @@ def _attention_kernel(
         cos = tl.load(cos_ptr + rope_at, mask=row_mask, other=0.0)
         sin = tl.load(sin_ptr + rope_at, mask=row_mask, other=0.0)
         q_partner = tl.load(q_at + partner_d[None, :], mask=row_mask, other=0.0)
-        # This step's tokens whose keys this program reads (positions in [start, end)): rotate their k
-        # and write it and their v to the cache, then read every key from the cache as usual. Each
-        # program writes the ones it reads (programs sharing a key write the same bits), and the barrier
-        # makes its writes visible to its own threads: no order between programs is needed.
-        for t0 in range(0, seq_len, BLOCK_T):
-            t = t0 + tl.arange(0, BLOCK_T)
-            t_pos = tl.load(pos_ptr + b * seq_len + t, mask=t < seq_len, other=-1)
-            fresh = ((t_pos >= start) & (t_pos < end))[:, None] & d_valid[None, :]
-            t_tok = (b * seq_len + t).to(tl.int64)[:, None]
-            k_at = k_ptr + t_tok * k_stride + kv_head * HEAD_DIM
-            t_rope = t_pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
-            k_new = _rope(
-                tl.load(k_at + d[None, :], mask=fresh, other=0.0).to(tl.float32),
-                tl.load(k_at + partner_d[None, :], mask=fresh, other=0.0).to(tl.float32),
-                tl.load(cos_ptr + t_rope, mask=fresh, other=0.0),
-                tl.load(sin_ptr + t_rope, mask=fresh, other=0.0),
-                d,
-                half,
-            )
-            v_new = tl.load(v_ptr + t_tok * v_stride + kv_head * HEAD_DIM + d[None, :], mask=fresh)
-            cache_at = kv_base + t_pos.to(tl.int64)[:, None] * row_stride + d[None, :]
-            tl.store(k_cache_ptr + cache_at, k_new.to(k_cache_ptr.dtype.element_ty), mask=fresh)
-            tl.store(v_cache_ptr + cache_at, v_new, mask=fresh)
+        # This step's keys that this program reads go to the cache first, and the barrier makes its own
+        # writes visible to all its threads: the key loop then reads them like any other, and no order
+        # between programs is needed (those sharing a key write the same bits).
+        _write_step_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, b, kv_head,
+                       kv_base, row_stride, start, end, k_stride, v_stride, seq_len, HEAD_DIM, BLOCK_D,
+                       BLOCK_T)  # fmt: skip
         q = _rope(q.to(tl.float32), q_partner.to(tl.float32), cos, sin, d, half).to(q_ptr.dtype.element_ty)
         tl.debug_barrier()
     if HAS_PREFIX:

@@ -57,6 +57,17 @@ class RotaryEmbedding(nn.Module):
         if table is None or table[0].shape[0] < length or table[0].device != self.inv_freq.device:
             if self.inv_freq.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"rotary table for {length} positions first needed inside a graph capture")
-            cos, sin = self(torch.arange(length, device=self.inv_freq.device).unsqueeze(0))
+            positions = torch.arange(length, device=self.inv_freq.device).unsqueeze(0)
+            # One thread on the CPU: there a table-sized cos / sin is split between MKL's threads, and a
+            # thread's first call came out up to 1e-5 off for its rows under load (two builds of one
+            # table differed; tests/test_fused_kernels.py failed about 1 run in 10 on a loaded 2-core
+            # machine). Built once per cache length, at start-up.
+            threads = torch.get_num_threads()
+            if not positions.is_cuda:
+                torch.set_num_threads(1)
+            try:
+                cos, sin = self(positions)
+            finally:
+                torch.set_num_threads(threads)
             table = self._table = (cos.view(length, -1), sin.view(length, -1))
         return table
