@@ -281,16 +281,24 @@ def test_attention_reference_prefix_equals_copied_prefix(seq):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_whole_model_kernel_path_matches_reference_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "architecture,num_kv_heads",
+    [("Qwen2ForCausalLM", 2), ("Qwen3ForCausalLM", 2), ("LlamaForCausalLM", 4)],  # qk-norm; no GQA
+)
+def test_whole_model_kernel_path_matches_reference_path(tmp_path, monkeypatch, architecture, num_kv_heads):
     """The model with every fused kernel (interpreted on the CPU) against its torch-reference path: a
-    ragged prefill, a 4-wide verify and a decode, through merged projections and the split-KV attention."""
+    ragged prefill, a 4-wide verify and a decode, through merged projections and the rotary + KV write +
+    attention kernel (Qwen3: q and k normalised first, so not views of the qkv output; Llama here: one
+    query head per KV head)."""
     from common.distributed import Comm
     from common.kv_cache import KVCache
     from common.loader import load_model
     from common.models.generate import forward_rows
     from common.tiny import make_tiny_model
 
-    path = make_tiny_model(tmp_path / "m", seed=2, num_layers=2, architecture="Qwen2ForCausalLM")
+    path = make_tiny_model(
+        tmp_path / "m", seed=2, num_layers=2, architecture=architecture, num_kv_heads=num_kv_heads
+    )
     model = load_model(path, Comm(), device=DEVICE)
     script = [
         ([0, 1], [0, 0], [[5, 6, 7, 8, 9, 10], [11, 12]]),
