@@ -54,6 +54,7 @@ SCRIPT = textwrap.dedent(
 
     skinny_consts = dict(BLOCK_N=skinny.BLOCK_N, BLOCK_K=triton.next_power_of_2(skinny.MAX_K), HAS_BIAS=True,
                          DOT_FP32=False)
+    glu = skinny.GLU_TILES
     attention = dict(GROUP=6, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=32, BLOCK_N=64, SPLITS=1, PRECISION="tf32",
                      DOT_FP32=False, HAS_PREFIX=False, BLOCK_T=8)
     out = {
@@ -63,6 +64,10 @@ SCRIPT = textwrap.dedent(
                                  **{**skinny_consts, "BLOCK_K": 1024}),
         "skinny_no_pdl": compile_(skinny._skinny_linear_kernel, BLOCK_M=skinny.BLOCK_M, PDL=False,
                                   **skinny_consts),
+        "stream_glu": compile_(skinny._stream_linear_kernel, K_PER_SPLIT=1536, BLOCK_M=128,
+                               BLOCK_N=glu["block_n"], BLOCK_K=glu["block_k"], SPLIT_K=1,
+                               NUM_STAGES=glu["stages"], PREFETCH=True, HAS_BIAS=False, GLU=True, PDL=True,
+                               DOT_FP32=False),
         "rms_norm": compile_(fused._rms_norm_kernel, HAS_RESIDUAL=True, BLOCK=2048, PDL=True),
         "silu_and_mul": compile_(fused._silu_and_mul_kernel, BLOCK=1024, PDL=True),
         "attention": compile_(fused._attention_kernel, PDL=True, ROTARY=False, **attention),
@@ -104,6 +109,8 @@ def test_rotary_attention_keeps_the_attention_shared_memory(compiled):
 
 def test_skinny_linear_tile_fits_the_h200_shared_memory(compiled):
     assert compiled["skinny"]["shared"] <= H200_SHARED_BYTES
+    # stream_linear's GLU tiles (gate and up weight tiles per stage) for an 80-row verify in one block
+    assert compiled["stream_glu"]["shared"] <= H200_SHARED_BYTES and compiled["stream_glu"]["wait"]
     assert compiled["skinny_64_rows"]["shared"] > H200_SHARED_BYTES  # power: an oversized tile is seen
 
 

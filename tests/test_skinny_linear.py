@@ -92,6 +92,43 @@ def test_stream_linear_rows_are_independent_of_the_batch():
         assert torch.equal(skinny.stream_linear(x[r : r + 1], w, b, **tiles), full[r : r + 1])
 
 
+@pytest.mark.parametrize("rows,bias,block_m", [(1, False, 16), (5, True, 16), (20, True, 32)])
+def test_stream_linear_glu_is_the_gemm_then_silu_and_mul(rows, bias, block_m):
+    """glu: the gate and up halves' sums, rounded, then silu_and_mul's arithmetic in the epilogue: bit for
+    bit the unfused GEMM (same tiles, K not split) followed by the silu_and_mul kernel; the bias added to
+    both halves; N not a multiple of the tile."""
+    x, w, b = _operands(rows, 2 * 40, 192, bias, seed=8)
+    tiles = dict(block_n=16, block_k=64, stages=2, block_m=block_m)
+    got = skinny.stream_linear(x, w, b, glu=True, **tiles)
+    assert got.shape == (rows, 40) and got.dtype == torch.bfloat16
+    assert torch.equal(got, fused.silu_and_mul(skinny.stream_linear(x, w, b, split_k=1, **tiles)))
+    with pytest.raises(AssertionError):
+        skinny.stream_linear(x, w, b, glu=True, split_k=2, **tiles)  # the epilogue needs whole sums
+
+
+def test_model_sends_gate_up_to_the_glu_kernel_when_on(tmp_path, monkeypatch):
+    """With GLU_MAX_ROWS at 64, each layer's gate_up GEMM and SiLU-and-mul are one stream_linear(glu) call
+    at 5 rows and at 40 (no silu_and_mul kernel); at 0 (the default) the GEMM then silu_and_mul, as
+    before. The hidden states match within bf16 rounding."""
+    path = make_tiny_model(tmp_path / "m", seed=9, num_layers=2, architecture="Qwen2ForCausalLM")
+    model = load_model(path, Comm(), device=DEVICE, dtype=torch.bfloat16)
+    cfg = model.config
+    monkeypatch.setattr(skinny, "STREAM_MIN_K", 1 << 20)  # the down projection stays on cuBLAS here
+    calls = []
+    real, real_silu = skinny.stream_linear, fused.silu_and_mul
+    monkeypatch.setattr(
+        skinny,
+        "stream_linear",
+        lambda x, w, b=None, **kw: calls.append((tuple(w.shape), kw["glu"])) or real(x, w, b, **kw),
+    )
+    monkeypatch.setattr(fused, "silu_and_mul", lambda x: calls.append("silu") or real_silu(x))
+    monkeypatch.setattr(skinny, "GLU_MAX_ROWS", 64)
+    runs = _forwards_with_and_without(model, monkeypatch, "STREAM_ENABLED", calls)
+    gate_up = ((2 * cfg.intermediate_size, cfg.hidden_size), True)
+    assert runs[True] == ([gate_up] * 2, [gate_up] * 4)
+    assert runs[False] == (["silu"] * 2, ["silu"] * 4)
+
+
 def test_streams_takes_a_long_k_at_few_rows_only():
     down = torch.empty(1536, 8960, dtype=torch.bfloat16)  # the 1.5B's down projection
     assert skinny.streams(1, down) and skinny.streams(5, down) and not skinny.fits(5, down)
@@ -209,6 +246,11 @@ def test_describe_names_the_kernel_path(monkeypatch):
     monkeypatch.setattr(fused, "pdl", lambda t: True)
     assert "skinny_linear up to 16 rows" in skinny.describe(x)
     assert "stream_linear for K >= 4096 up to 5 rows" in skinny.describe(x)
+    assert "gate_up" not in skinny.describe(x)  # the GLU kernel is off by default
+    monkeypatch.setattr(skinny, "GLU_MAX_ROWS", 80)
+    assert "stream_linear for K >= 4096 up to 5 rows and for gate_up + SiLU up to 80 rows" in skinny.describe(
+        x
+    )
     monkeypatch.setattr(skinny, "ENABLED", False)
     monkeypatch.setattr(skinny, "STREAM_ENABLED", False)
     assert "skinny_linear off" in skinny.describe(x) and "stream_linear off" in skinny.describe(x)

@@ -173,6 +173,15 @@ def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 @triton.jit
+def silu_mul(gate, up):
+    # silu(gate) * up in gate's dtype, rounded as the two eager ops round: silu(gate) to the dtype first,
+    # then the product. Also the epilogue of stream_linear's GLU mode (the MLP's gate_up GEMM).
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(gate.dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [rows, 2 * n]: [gate | up], row stride `stride`
     out_ptr,  # [rows, n] contiguous, x's dtype
@@ -185,11 +194,9 @@ def _silu_and_mul_kernel(
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
-    gate = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride + n + cols, mask=mask, other=0.0).to(tl.float32)
-    # Round silu(gate) to the model dtype before the product, as the two eager ops do.
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * n + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride + n + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * n + cols, silu_mul(gate, up), mask=mask)
 
 
 def silu_and_mul(x: Tensor) -> Tensor:

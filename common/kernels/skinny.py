@@ -76,6 +76,13 @@ STREAM_TILES_PER_SPLIT = 7  # K = 8960: 35 tiles of 256 -> 5 splits of 7
 # divergence a tie). A down GEMM that sums alike at 1-80 rows and is not slower at 80 (this one takes 15.7
 # us there) would remove the limit.
 STREAM_MAX_ROWS = 5
+# The MLP's gate_up GEMM with SiLU-and-mul in its epilogue (`stream_linear(glu=True)`) up to this many
+# rows; 0: off (cuBLAS, then the silu_and_mul kernel). The kernel between two cuBLAS GEMMs costs 2.8 us
+# per layer at B=16 (graph time, twenty-second session) and would go; whether the GEMM keeps cuBLAS's
+# pace at 80 rows is not measured yet: an A/B switch (SPECSPLIT_GLU_MAX_ROWS=80) until bench/glu_sweep.py
+# and the forward say it pays. All rows up to the limit in one kernel: plain and verify then sum alike.
+GLU_MAX_ROWS = int(os.environ.get("SPECSPLIT_GLU_MAX_ROWS", "0"))
+GLU_TILES = dict(block_n=32, block_k=128, stages=4)
 
 
 @triton.jit
@@ -161,8 +168,8 @@ def _dot_acc(x, w, acc, DOT_FP32: tl.constexpr):
 @triton.jit
 def _stream_linear_kernel(
     x_ptr,  # [M, K] activations, row stride stride_x, unit column stride
-    w_ptr,  # [N, K] weight, contiguous
-    b_ptr,  # [N] bias (read only when HAS_BIAS and SPLIT_K == 1)
+    w_ptr,  # [N, K] weight, contiguous (GLU: [2N, K] = [gate; up])
+    b_ptr,  # [N] bias (GLU: [2N]; read only when HAS_BIAS and SPLIT_K == 1)
     out_ptr,  # SPLIT_K == 1: [M, N] contiguous in x's dtype; else [SPLIT_K, M, N] fp32 partial sums
     M,
     N,
@@ -176,6 +183,7 @@ def _stream_linear_kernel(
     NUM_STAGES: tl.constexpr,
     PREFETCH: tl.constexpr,  # read the first weight tile before gdc_wait
     HAS_BIAS: tl.constexpr,
+    GLU: tl.constexpr,  # out = silu(x @ gate.T) * (x @ up.T), each rounded to x's dtype first (SPLIT_K == 1)
     PDL: tl.constexpr,
     DOT_FP32: tl.constexpr,  # the CPU interpreter's bf16 tl.dot is wrong: upcast there
 ):
@@ -189,12 +197,16 @@ def _stream_linear_kernel(
     m_valid = m < M
     k_start = tl.program_id(1) * K_PER_SPLIT
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    up_rows = w_rows + N * K  # GLU: the up projection's rows, N rows past the gate's
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)  # GLU only
     k_first = k_start
     if PREFETCH:  # the weight does not depend on the previous kernel: its first tile is read meanwhile
-        w = tl.load(w_rows + (k_start + kk)[None, :], mask=n_valid[:, None] & (k_start + kk < K)[None, :],
-                    other=0.0)  # fmt: skip
+        w_mask = n_valid[:, None] & (k_start + kk < K)[None, :]
+        w = tl.load(w_rows + (k_start + kk)[None, :], mask=w_mask, other=0.0)
+        if GLU:
+            w_up = tl.load(up_rows + (k_start + kk)[None, :], mask=w_mask, other=0.0)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -202,19 +214,29 @@ def _stream_linear_kernel(
         x = tl.load(x_rows + (k_start + kk)[None, :], mask=m_valid[:, None] & (k_start + kk < K)[None, :],
                     other=0.0)  # fmt: skip
         acc = _dot_acc(x, w, acc, DOT_FP32)
+        if GLU:
+            acc_up = _dot_acc(x, w_up, acc_up, DOT_FP32)
         k_first = k_start + BLOCK_K
     for k0 in tl.range(k_first, k_start + K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + kk
-        k_valid = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        x = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
+        w_mask = n_valid[:, None] & (k < K)[None, :]
+        w = tl.load(w_rows + k[None, :], mask=w_mask, other=0.0)
+        if GLU:
+            w_up = tl.load(up_rows + k[None, :], mask=w_mask, other=0.0)
+        x = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & (k < K)[None, :], other=0.0)
         acc = _dot_acc(x, w, acc, DOT_FP32)
+        if GLU:
+            acc_up = _dot_acc(x, w_up, acc_up, DOT_FP32)
     out_mask = m_valid[:, None] & n_valid[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)  # fmt: skip
+            if GLU:
+                acc_up += tl.load(b_ptr + N + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
+        out = acc.to(out_ptr.dtype.element_ty)
+        if GLU:  # as the GEMM's output then silu_and_mul round it: gate and up to x's dtype, then the rest
+            out = fused.silu_mul(out, acc_up.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + m.to(tl.int64)[:, None] * N + n[None, :], out, mask=out_mask)
     else:
         part = out_ptr + tl.program_id(1).to(tl.int64) * M * N
         tl.store(part + m.to(tl.int64)[:, None] * N + n[None, :], acc, mask=out_mask)
@@ -243,6 +265,16 @@ def _split_sum_kernel(
     tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
+def glu_streams(rows: int, weight: Tensor) -> bool:
+    """Whether stream_linear(glu=True) serves rows x weight [2N, K] in the model (`GLU_MAX_ROWS`)."""
+    return 0 < rows <= GLU_MAX_ROWS and weight.element_size() == 2 and weight.is_contiguous()
+
+
+def _row_block(rows: int) -> int:
+    # One row block up to 128 rows (16-128-row blocks gave a row the same bits on the H200: stream_sweep).
+    return min(128, max(16, triton.next_power_of_2(rows)))
+
+
 def streams(rows: int, weight: Tensor) -> bool:
     """Whether stream_linear serves rows x weight [N, K] in the model (else cuBLAS): a long K, 16-bit."""
     return (
@@ -266,14 +298,20 @@ def stream_linear(
     prefetch: bool = True,
     block_m: int = 16,
     warps: int = 4,
+    glu: bool = False,
 ) -> Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N] in x's dtype: the streaming kernel, then (K
-    split in more than one) the split sum. The keywords are the tiles (bench/stream_sweep.py sweeps them);
-    split_k None: STREAM_TILES_PER_SPLIT tiles of K per split."""
+    split in more than one) the split sum. glu: weight [2N, K] = [gate; up] (bias [2N]) and the result is
+    silu(gate's) * up's [..., N], the activation in the GEMM's epilogue (the MLP's gate_up and
+    SiLU-and-mul in one kernel; K not split). The keywords are the tiles (bench/stream_sweep.py and
+    bench/glu_sweep.py sweep them); split_k None: STREAM_TILES_PER_SPLIT tiles of K per split."""
     n, k = weight.shape
     x2 = fused.rows_of(x)
     rows = x2.shape[0]
     tiles = triton.cdiv(k, block_k)
+    if glu:
+        assert n % 2 == 0 and split_k in (None, 1), (tuple(weight.shape), split_k)
+        n, split_k = n // 2, 1
     if split_k is None:
         split_k = max(1, round(tiles / STREAM_TILES_PER_SPLIT))
     k_per_split = triton.cdiv(tiles, split_k) * block_k
@@ -284,7 +322,7 @@ def stream_linear(
     _stream_linear_kernel[(triton.cdiv(n, block_n), split_k, triton.cdiv(rows, block_m))](
         x2, weight, bias if bias is not None else weight, target, rows, n, k, x2.stride(0),
         K_PER_SPLIT=k_per_split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        NUM_STAGES=stages, PREFETCH=prefetch, HAS_BIAS=bias is not None, DOT_FP32=fused.INTERPRETED,
+        NUM_STAGES=stages, PREFETCH=prefetch, HAS_BIAS=bias is not None, GLU=glu, DOT_FP32=fused.INTERPRETED,
         num_warps=warps, **opts,
     )  # fmt: skip
     if split_k > 1:
@@ -296,11 +334,20 @@ def stream_linear(
     return out.view(*x.shape[:-1], n)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, glu: bool = False) -> Tensor:
     """F.linear, through skinny_linear or stream_linear on the GPU where they fit (every linear layer of
-    the model calls it). Which kernel serves a call depends only on its row count and the weight."""
-    if fused.on_gpu(x) and (fused.pdl(x) or not REQUIRE_PDL):
-        rows = x.numel() // x.shape[-1]
+    the model calls it). Which kernel serves a call depends only on its row count and the weight.
+
+    glu: weight [2N, K] = [gate; up] and the result silu(gate's) * up's [..., N] (the MLP's gate_up):
+    one stream_linear where `glu_streams`, else the GEMM and then `fused.silu_and_mul`."""
+    kernels = fused.on_gpu(x) and (fused.pdl(x) or not REQUIRE_PDL)
+    rows = x.numel() // x.shape[-1]
+    if glu:
+        if kernels and STREAM_ENABLED and glu_streams(rows, weight):
+            return stream_linear(x, weight, bias, glu=True, block_m=_row_block(rows), **GLU_TILES)
+        out = linear(x, weight, bias)
+        return fused.silu_and_mul(out) if fused.on_gpu(x) else fused.silu_and_mul_reference(out)
+    if kernels:
         if ENABLED and fits(rows, weight):
             return skinny_linear(x, weight, bias)
         if STREAM_ENABLED and streams(rows, weight):
@@ -318,4 +365,6 @@ def describe(x: Tensor) -> str:
     long = "stream_linear off"
     if STREAM_ENABLED:
         long = f"stream_linear for K >= {STREAM_MIN_K} up to {STREAM_MAX_ROWS} rows"
+        if GLU_MAX_ROWS:
+            long += f" and for gate_up + SiLU up to {GLU_MAX_ROWS} rows"
     return f"Triton fused kernels with PDL, {small}, {long}, cuBLAS elsewhere"

@@ -96,8 +96,9 @@ class MergedColumnParallelLinear(nn.Module):
                 offset += local
             set_merged_shards(param, parts)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, glu: bool = False) -> Tensor:
+        """glu (two parts, [gate; up]): silu(gate) * up of this rank's shards (`linear`)."""
+        return linear(x, self.weight, self.bias, glu=glu)
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

@@ -96,9 +96,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, comm, "mlp_out", **kw)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate_up = self.gate_up_proj(x)
-        act = fused.silu_and_mul(gate_up) if fused.on_gpu(x) else fused.silu_and_mul_reference(gate_up)
-        return self.down_proj(act)
+        return self.down_proj(self.gate_up_proj(x, glu=True))  # silu(gate) * up: `linear`'s glu
 
 
 class DecoderLayer(nn.Module):

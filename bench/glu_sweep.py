@@ -1,0 +1,92 @@
+"""GPU time of the MLP's gate_up GEMM with SiLU-and-mul in its epilogue (`skinny.stream_linear(glu=True)`)
+against what the model runs without it (cuBLAS gate_up, then the `fused.silu_and_mul` kernel), per tile
+configuration, on the 1.5B target's shape (gate_up 17920 x 1536).
+
+    python bench/glu_sweep.py [--rows 1 5 16 80] --out glu-sweep.jsonl
+
+Each figure is one call's GPU time inside a CUDA graph of 28 calls on 28 weight copies (as the layers do;
+PDL launches on Hopper), median of 3 x 50 replays (bench/gemm_sweep.py's `time_graph`). Each
+configuration also records whether its output equals the unfused pair's bit for bit (`same_as_cublas`),
+whether row 0 of an 80-row call equals the row alone (`invariant`), and whether 16- and 128-row blocks
+give the same bits (`same_as_16`). The switch that puts it in the model: SPECSPLIT_GLU_MAX_ROWS
+(common/kernels/skinny.py); the forward A/B: bench/device_s22.sh with a `glu=.,SPECSPLIT_GLU_MAX_ROWS=80`
+configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.gemm_sweep import LAYERS, SHAPES, time_graph
+from common.kernels import fused, skinny
+
+
+def unfused(x, w):
+    return fused.silu_and_mul(F.linear(x, w))
+
+
+def glu(x, w, **cfg):
+    return skinny.stream_linear(x, w, glu=True, **cfg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 5, 16, 80])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    n, k, _ = SHAPES["gate_up"]
+    dev = torch.device("cuda")
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
+    xs = {m: torch.randn(m, k, device=dev, dtype=torch.bfloat16) for m in args.rows}
+    base = dict(gemm="gate_up+silu", n=n, k=k)
+    with open(args.out, "a") as f:
+
+        def emit(row: dict) -> None:
+            print(json.dumps(row), flush=True)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+        def per_call(fn, x, **cfg) -> float:
+            return 1e3 * time_graph(lambda: [fn(x, w, **cfg) for w in ws]) / LAYERS
+
+        for m in args.rows:
+            emit(dict(base, kernel="cublas+silu_and_mul", rows=m, us=round(per_call(unfused, xs[m]), 3)))
+        grid = itertools.product((32, 64), (64, 128, 256), (3, 4), (16, 32, 64, 128), (4,))
+        for bn, bk, stages, bm, warps in grid:
+            cfg = dict(block_n=bn, block_k=bk, stages=stages, block_m=bm, warps=warps)
+            t0 = time.time()
+            try:
+                big = max(args.rows)
+                among = glu(xs[big], ws[0], **cfg)
+                checks = dict(
+                    same_as_cublas=bool(torch.equal(among, unfused(xs[big], ws[0]))),
+                    invariant=bool(torch.equal(glu(xs[big][:1].contiguous(), ws[0], **cfg)[0], among[0])),
+                    same_as_16=bool(torch.equal(glu(xs[big], ws[0], **{**cfg, "block_m": 16}), among)),
+                )
+                for m in args.rows:
+                    if bm > max(16, triton_pow2(m)):
+                        continue  # a block this size is for more rows
+                    us = round(per_call(glu, xs[m], **cfg), 3)
+                    took = round(time.time() - t0, 1)
+                    emit(dict(base, kernel="stream_glu", rows=m, us=us, s=took, **checks, **cfg))
+            except Exception as e:  # a tile too large for shared memory: record and go on
+                emit(dict(base, kernel="stream_glu", error=f"{type(e).__name__}: {str(e)[:160]}", **cfg))
+
+
+def triton_pow2(m: int) -> int:
+    return 1 << (m - 1).bit_length()
+
+
+if __name__ == "__main__":
+    main()
