@@ -199,12 +199,13 @@ def test_model_sends_its_down_projection_to_stream(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("stream_min_k", [4096, 1024])
-def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch, stream_min_k):
+@pytest.mark.parametrize("stream_min_k,glu_rows", [(4096, 0), (1024, 0), (4096, 80)])
+def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch, stream_min_k, glu_rows):
     """bf16, the GPU kernel path: 30 replays of a CUDA graph captured with PDL (and skinny_linear) each
     give bit-for-bit the hidden states of the same forward run eagerly without PDL. A kernel reading the
     previous kernel's output before its wait would make replays differ from it (and from each other).
-    With the long-K threshold at 1024 the MLP's down projection runs in stream_linear too."""
+    With the long-K threshold at 1024 the MLP's down projection runs in stream_linear too; with glu_rows
+    its gate_up and SiLU-and-mul in stream_linear(glu=True)."""
     from common.cuda_graphs import capture
 
     if not fused.pdl(torch.empty(1, device="cuda")):
@@ -224,11 +225,13 @@ def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch, stream_m
             return model(ids, positions, slots, cache, 128)
 
         monkeypatch.setattr(skinny, "STREAM_MIN_K", stream_min_k)
+        monkeypatch.setattr(skinny, "GLU_MAX_ROWS", glu_rows)
         monkeypatch.setattr(fused, "pdl", lambda x: False)
         monkeypatch.setattr(skinny, "REQUIRE_PDL", False)  # the same kernels, in stream order
         want = step().clone()
         monkeypatch.undo()
         monkeypatch.setattr(skinny, "STREAM_MIN_K", stream_min_k)
+        monkeypatch.setattr(skinny, "GLU_MAX_ROWS", glu_rows)
         graph, out, _ = capture(step, torch.device("cuda"), None)
         for _ in range(30):
             graph.replay()
