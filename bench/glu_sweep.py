@@ -75,17 +75,13 @@ def main() -> None:
                     same_as_16=bool(torch.equal(glu(xs[big], ws[0], **{**cfg, "block_m": 16}), among)),
                 )
                 for m in args.rows:
-                    if bm > max(16, triton_pow2(m)):
-                        continue  # a block this size is for more rows
+                    if bm > skinny._row_block(m):
+                        continue  # the model would serve these rows with a smaller block
                     us = round(per_call(glu, xs[m], **cfg), 3)
                     took = round(time.time() - t0, 1)
                     emit(dict(base, kernel="stream_glu", rows=m, us=us, s=took, **checks, **cfg))
             except Exception as e:  # a tile too large for shared memory: record and go on
                 emit(dict(base, kernel="stream_glu", error=f"{type(e).__name__}: {str(e)[:160]}", **cfg))
-
-
-def triton_pow2(m: int) -> int:
-    return 1 << (m - 1).bit_length()
 
 
 if __name__ == "__main__":

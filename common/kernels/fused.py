@@ -238,13 +238,19 @@ def rotary_and_cache_reference(
 
 
 @triton.jit
-def _rope(x, partner, cos, sin, d, HALF: tl.constexpr):
-    # Rotate-half rotary (RotaryEmbedding) of fp32 x [R, BLOCK_D] at lanes d [BLOCK_D], partner = x at lanes
-    # (d + HALF) % head_dim, cos / sin the rows of x's positions: x * cos + (-partner | partner) * sin.
-    # One rounded product and one explicit fused multiply-add: every program writing a key writes the
-    # same bits, whatever the compiler would have contracted.
-    signed = tl.where(d[None, :] < HALF, -partner, partner)
-    return tl.fma(x, cos, signed * sin)
+def _load_rotated(at, pos, cos_ptr, sin_ptr, mask, d, HEAD_DIM: tl.constexpr):
+    # The rows at `at` ([R, 1] pointers to a head's lanes; lanes d [BLOCK_D]) rotated for their positions
+    # pos [R] by the table rows cos_ptr / sin_ptr [positions, head_dim] fp32, rotate-half as
+    # RotaryEmbedding: x * cos + (-x[d + half] | x[d - half]) * sin, fp32. One rounded product and one
+    # explicit fused multiply-add per lane: every program that rotates a key writes the same bits,
+    # whatever the compiler would have contracted.
+    half: tl.constexpr = HEAD_DIM // 2
+    x = tl.load(at + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(at + ((d + half) % HEAD_DIM)[None, :], mask=mask, other=0.0).to(tl.float32)
+    rope_at = pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
+    cos = tl.load(cos_ptr + rope_at, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + rope_at, mask=mask, other=0.0)
+    return tl.fma(x, cos, tl.where(d[None, :] < half, -partner, partner) * sin)
 
 
 @triton.jit
@@ -271,26 +277,16 @@ def _write_step_kv(
 ):
     # The tokens of row b whose positions fall in [start, end) (the keys an attention program reads):
     # k rotated, k and v written to the cache at (slot, position, kv_head), BLOCK_T tokens a pass.
-    # Every program that writes a token writes the same bits (`_rope`).
+    # Every program that writes a token writes the same bits (`_load_rotated`).
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
-    half: tl.constexpr = HEAD_DIM // 2
-    partner_d = (d + half) % HEAD_DIM
     for t0 in range(0, seq_len, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_pos = tl.load(pos_ptr + b * seq_len + t, mask=t < seq_len, other=-1)
         fresh = ((t_pos >= start) & (t_pos < end))[:, None] & d_valid[None, :]
         t_tok = (b * seq_len + t).to(tl.int64)[:, None]
         k_at = k_ptr + t_tok * k_stride + kv_head * HEAD_DIM
-        t_rope = t_pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
-        k_new = _rope(
-            tl.load(k_at + d[None, :], mask=fresh, other=0.0).to(tl.float32),
-            tl.load(k_at + partner_d[None, :], mask=fresh, other=0.0).to(tl.float32),
-            tl.load(cos_ptr + t_rope, mask=fresh, other=0.0),
-            tl.load(sin_ptr + t_rope, mask=fresh, other=0.0),
-            d,
-            half,
-        )
+        k_new = _load_rotated(k_at, t_pos, cos_ptr, sin_ptr, fresh, d, HEAD_DIM)
         v_new = tl.load(v_ptr + t_tok * v_stride + kv_head * HEAD_DIM + d[None, :], mask=fresh)
         cache_at = kv_base + t_pos.to(tl.int64)[:, None] * row_stride + d[None, :]
         tl.store(k_cache_ptr + cache_at, k_new.to(k_cache_ptr.dtype.element_ty), mask=fresh)
@@ -346,13 +342,13 @@ def _attention_kernel(
     head = kv_head * GROUP + m // seq_len
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
-    half: tl.constexpr = HEAD_DIM // 2
-    partner_d = (d + half) % HEAD_DIM
     row_mask = m_valid[:, None] & d_valid[None, :]
-    token = (b * seq_len + tok).to(tl.int64)
-    q_at = q_ptr + token[:, None] * q_stride + (head * HEAD_DIM)[:, None]
-    q = tl.load(q_at + d[None, :], mask=row_mask, other=0.0)
+    q_at = q_ptr + (b * seq_len + tok).to(tl.int64)[:, None] * q_stride + (head * HEAD_DIM)[:, None]
     q_pos = tl.load(pos_ptr + b * seq_len + tok, mask=m_valid, other=-1)
+    if ROTARY:
+        q = _load_rotated(q_at, q_pos, cos_ptr, sin_ptr, row_mask, d, HEAD_DIM).to(q_ptr.dtype.element_ty)
+    else:
+        q = tl.load(q_at + d[None, :], mask=row_mask, other=0.0)
     slot = tl.load(slot_ptr + b)
     # Only the live keys: none past the last query position of this block (reads no stale or empty KV).
     start = split * chunk
@@ -360,17 +356,12 @@ def _attention_kernel(
     kv_base = slot * max_len * num_kv_heads * HEAD_DIM + kv_head * HEAD_DIM
     row_stride = num_kv_heads * HEAD_DIM
     if ROTARY:
-        rope_at = q_pos.to(tl.int64)[:, None] * HEAD_DIM + d[None, :]
-        cos = tl.load(cos_ptr + rope_at, mask=row_mask, other=0.0)
-        sin = tl.load(sin_ptr + rope_at, mask=row_mask, other=0.0)
-        q_partner = tl.load(q_at + partner_d[None, :], mask=row_mask, other=0.0)
         # This step's keys that this program reads go to the cache first, and the barrier makes its own
         # writes visible to all its threads: the key loop then reads them like any other, and no order
         # between programs is needed (those sharing a key write the same bits).
         _write_step_kv(k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, k_cache_ptr, v_cache_ptr, b, kv_head,
                        kv_base, row_stride, start, end, k_stride, v_stride, seq_len, HEAD_DIM, BLOCK_D,
                        BLOCK_T)  # fmt: skip
-        q = _rope(q.to(tl.float32), q_partner.to(tl.float32), cos, sin, d, half).to(q_ptr.dtype.element_ty)
         tl.debug_barrier()
     if HAS_PREFIX:
         # A branch row shares its first prefix_len keys with another request's slot instead of holding a
@@ -591,7 +582,8 @@ def _attention(q, rotary, k_cache, v_cache, slots, positions, ctx_len, scale, nu
         scale * 1.4426950408889634, q.stride(1), k.stride(1), v.stride(1), seq, heads, kv_heads,
         k_cache.shape[1], chunk, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, SPLITS=splits, PRECISION=precision, DOT_FP32=INTERPRETED, HAS_PREFIX=has_prefix,
-        BLOCK_T=min(16, triton.next_power_of_2(seq)), ROTARY=rotary is not None, **launch_options(q),
+        BLOCK_T=min(16, triton.next_power_of_2(seq)) if rotary is not None else 1, ROTARY=rotary is not None,
+        **launch_options(q),
     )  # fmt: skip
     if splits > 1:
         rows = bsz * seq * heads
@@ -658,14 +650,5 @@ def rotary_attention_reference(
 ) -> Tensor:
     """`rotary_attention` in eager torch: the rotary and cache write, then the attention over the cache."""
     q = rotary_and_cache_reference(q, k, v, cos, sin, positions, slots, k_cache, v_cache)
-    return attention_reference(
-        q,
-        k_cache,
-        v_cache,
-        slots,
-        positions,
-        ctx_len,
-        scale,
-        prefix_slots=prefix_slots,
-        prefix_len=prefix_len,
-    )
+    prefix = dict(prefix_slots=prefix_slots, prefix_len=prefix_len)
+    return attention_reference(q, k_cache, v_cache, slots, positions, ctx_len, scale, **prefix)

@@ -98,6 +98,7 @@ class MergedColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor, glu: bool = False) -> Tensor:
         """glu (two parts, [gate; up]): silu(gate) * up of this rank's shards (`linear`)."""
+        assert not glu or len(self.local_sizes) == 2, "glu needs exactly two parts, [gate; up]"
         return linear(x, self.weight, self.bias, glu=glu)
 
 

@@ -51,7 +51,7 @@ class RotaryEmbedding(nn.Module):
     def table(self, length: int) -> tuple[Tensor, Tensor]:
         """cos, sin [>= length, head_dim] fp32: row p is `forward`'s for position p. Built once (at a
         forward's first, eager run: never inside a CUDA-graph capture); every forward after it reads its
-        rows by position inside the rotary kernel instead of computing them (five small kernels per
+        rows by position inside the attention kernel instead of computing them (five small kernels per
         forward: the cast, the product, the concatenation, cos and sin)."""
         table = self._table
         if table is None or table[0].shape[0] < length or table[0].device != self.inv_freq.device:
@@ -62,12 +62,14 @@ class RotaryEmbedding(nn.Module):
             # thread's first call came out up to 1e-5 off for its rows under load (two builds of one
             # table differed; tests/test_fused_kernels.py failed about 1 run in 10 on a loaded 2-core
             # machine). Built once per cache length, at start-up.
-            threads = torch.get_num_threads()
-            if not positions.is_cuda:
-                torch.set_num_threads(1)
-            try:
+            if positions.is_cuda:
                 cos, sin = self(positions)
-            finally:
-                torch.set_num_threads(threads)
+            else:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(1)
+                try:
+                    cos, sin = self(positions)
+                finally:
+                    torch.set_num_threads(threads)
             table = self._table = (cos.view(length, -1), sin.view(length, -1))
         return table
