@@ -106,10 +106,29 @@ def test_stream_linear_glu_is_the_gemm_then_silu_and_mul(rows, bias, block_m):
         skinny.stream_linear(x, w, b, glu=True, split_k=2, **tiles)  # the epilogue needs whole sums
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_glu_path_sums_as_cublas_on_the_1_5b_gate_up(monkeypatch):
+    """The lossless premise of GLU_MAX_ROWS: on the 1.5B's gate_up (2 x 8960 x 1536, bf16) `linear(glu=True)`
+    through stream_linear gives bit for bit cuBLAS's GEMM then silu_and_mul, at the rows it serves by default
+    (1, 5, 16: plain steps and B=1's verify) and at 80 with the wide tiles (a raised limit), so a plain step
+    in it and a verify in cuBLAS pick the same tokens. Power: the silu_and_mul of a GEMM whose K is summed in
+    another order (two halves added) differs."""
+    monkeypatch.setattr(skinny, "GLU_MAX_ROWS", 80)
+    monkeypatch.setattr(skinny, "REQUIRE_PDL", False)
+    x, w, _ = _operands(80, 2 * 8960, 1536, False, seed=11)
+    want = fused.silu_and_mul(F.linear(x, w))
+    for rows in (1, 5, 16, 80):
+        assert skinny.glu_streams(rows, w)
+        assert torch.equal(skinny.linear(x[:rows], w, glu=True), want[:rows]), rows
+    halves = F.linear(x[:, :768], w[:, :768]).float() + F.linear(x[:, 768:], w[:, 768:]).float()
+    assert not torch.equal(fused.silu_and_mul(halves.bfloat16()), want)
+
+
 def test_model_sends_gate_up_to_the_glu_kernel_when_on(tmp_path, monkeypatch):
     """With GLU_MAX_ROWS at 64, each layer's gate_up GEMM and SiLU-and-mul are one stream_linear(glu) call
-    at 5 rows and at 40 (no silu_and_mul kernel); at 0 (the default) the GEMM then silu_and_mul, as
-    before. The hidden states match within bf16 rounding."""
+    at 5 rows and at 40 (no silu_and_mul kernel); with stream_linear off the GEMM then silu_and_mul. The
+    hidden states match within bf16 rounding."""
     path = make_tiny_model(tmp_path / "m", seed=9, num_layers=2, architecture="Qwen2ForCausalLM")
     model = load_model(path, Comm(), device=DEVICE, dtype=torch.bfloat16)
     cfg = model.config
@@ -187,6 +206,7 @@ def test_model_sends_its_down_projection_to_stream(tmp_path, monkeypatch):
     cfg = model.config
     monkeypatch.setattr(skinny, "ENABLED", False)  # skinny_linear off: only the stream path differs
     monkeypatch.setattr(skinny, "STREAM_MIN_K", cfg.intermediate_size)
+    monkeypatch.setattr(skinny, "GLU_MAX_ROWS", 0)  # gate_up stays on cuBLAS: only the down projection
     calls = []
     real = skinny.stream_linear
     monkeypatch.setattr(
@@ -249,11 +269,9 @@ def test_describe_names_the_kernel_path(monkeypatch):
     monkeypatch.setattr(fused, "pdl", lambda t: True)
     assert "skinny_linear up to 16 rows" in skinny.describe(x)
     assert "stream_linear for K >= 4096 up to 5 rows" in skinny.describe(x)
-    assert "gate_up" not in skinny.describe(x)  # the GLU kernel is off by default
-    monkeypatch.setattr(skinny, "GLU_MAX_ROWS", 80)
-    assert "stream_linear for K >= 4096 up to 5 rows and for gate_up + SiLU up to 80 rows" in skinny.describe(
-        x
-    )
+    assert "and for gate_up + SiLU up to 16 rows" in skinny.describe(x)  # the GLU kernel's default
+    monkeypatch.setattr(skinny, "GLU_MAX_ROWS", 0)
+    assert "gate_up" not in skinny.describe(x)
     monkeypatch.setattr(skinny, "ENABLED", False)
     monkeypatch.setattr(skinny, "STREAM_ENABLED", False)
     assert "skinny_linear off" in skinny.describe(x) and "stream_linear off" in skinny.describe(x)

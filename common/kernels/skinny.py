@@ -77,12 +77,17 @@ STREAM_TILES_PER_SPLIT = 7  # K = 8960: 35 tiles of 256 -> 5 splits of 7
 # us there) would remove the limit.
 STREAM_MAX_ROWS = 5
 # The MLP's gate_up GEMM with SiLU-and-mul in its epilogue (`stream_linear(glu=True)`) up to this many
-# rows; 0: off (cuBLAS, then the silu_and_mul kernel). The kernel between two cuBLAS GEMMs costs 2.8 us
-# per layer at B=16 (graph time, twenty-second session) and would go; whether the GEMM keeps cuBLAS's
-# pace at 80 rows is not measured yet: an A/B switch (SPECSPLIT_GLU_MAX_ROWS=80) until bench/glu_sweep.py
-# and the forward say it pays. All rows up to the limit in one kernel: plain and verify then sum alike.
-GLU_MAX_ROWS = int(os.environ.get("SPECSPLIT_GLU_MAX_ROWS", "0"))
+# rows; 0: off (cuBLAS, then the silu_and_mul kernel). Measured on the 1.5B (one H200, graphed forward, 3
+# interleaved rounds, twenty-third session): B=1 width 5 (5 rows) 1.441 -> 1.356 ms, a plain B=16 step (16
+# rows) 1.597 -> 1.489; at 20 and 32 rows 1.561 -> 1.715 and 1.562 -> 1.740 (bench/glu_sweep.py: 33-78 us
+# for the GEMM at 80 rows where cuBLAS + silu_and_mul take 20.4), hence 16. Its sums equal cuBLAS's bit for
+# bit at 1, 5, 16 and 80 rows on that GEMM (the sweep's same_as_cublas), so a plain step here and its
+# verify in cuBLAS still agree.
+GLU_MAX_ROWS = int(os.environ.get("SPECSPLIT_GLU_MAX_ROWS", "16"))
 GLU_TILES = dict(block_n=32, block_k=128, stages=4)
+# Above 16 rows (a raised SPECSPLIT_GLU_MAX_ROWS) the 128-row block with 128-wide K tiles needs 240 KB of
+# shared memory (sm_90 has 227): 64-wide K tiles there (the sweep's 36.7 us at 80 rows).
+GLU_TILES_WIDE = dict(block_n=32, block_k=64, stages=4)
 
 
 @triton.jit
@@ -344,7 +349,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, glu: bool = Fa
     rows = x.numel() // x.shape[-1]
     if glu:
         if kernels and STREAM_ENABLED and glu_streams(rows, weight):
-            return stream_linear(x, weight, bias, glu=True, block_m=_row_block(rows), **GLU_TILES)
+            tiles = GLU_TILES if rows <= 16 else GLU_TILES_WIDE
+            return stream_linear(x, weight, bias, glu=True, block_m=_row_block(rows), **tiles)
         out = linear(x, weight, bias)
         return fused.silu_and_mul(out) if fused.on_gpu(x) else fused.silu_and_mul_reference(out)
     if kernels:
