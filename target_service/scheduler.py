@@ -389,7 +389,7 @@ class Scheduler:
         if self.learn_costs:
             wall = t4 - t0 - self.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = self.ask_seconds
-            self._learn_costs(len(batch), width, wall, t3 - t2, churned)
+            self._learn_costs(len(batch), width, wall, t3 - t2, churned, started)
         # One gate explores at a time (ModeGate.exploring).
         speculation_exploring = self._speculation_exploring(len(batch))
         branch_exploring = (
@@ -431,7 +431,9 @@ class Scheduler:
                 log.debug("gates: %s", "; ".join(f"{n} {g.describe()}" for n, g in gates.items() if g))
             self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)
 
-    def _learn_costs(self, batch: int, width: int, wall: float, verify: float, churned: bool) -> None:
+    def _learn_costs(
+        self, batch: int, width: int, wall: float, verify: float, churned: bool, started: int
+    ) -> None:
         """The step's costs for the adaptive policy. A plain step is a sample of k = 0 only when it
         waited for no ask (not a fallback after a late or empty answer), nor did the PLAIN_SETTLE steps
         before it (the draft's work after its last answer may still share the target's GPUs); a
@@ -440,9 +442,16 @@ class Scheduler:
         their first and last messages cost host time whatever k the step ran. One H200, B=64: the steps
         of a run's tail, finishing 1-7 requests each, took 7-9 ms against 6 ms steady, all at the k of
         the moment; its median then rated that k worst, and the next run started at another (the
-        adaptive target ran long stretches of k = 3, 1.21-1.34x plain where fixed k = 4 ran 1.35-1.46x)."""
+        adaptive target ran long stretches of k = 3, 1.21-1.34x plain where fixed k = 4 ran 1.35-1.46x).
+        Nor is the verify of a step that started requests a verify sample: their prefills (the target's, and
+        the draft's where it runs in this process) are queued on the GPU ahead of it. One H200, B=1, the
+        draft in the target: a run's first step timed width 5 at 107 ms; beside the start-up timing (a
+        median of two is their mean) it priced k = 4 at 55 ms, so the policy never chose k = 4 again to
+        replace it and ran k = 2.6 at 1.53-1.73x plain where fixed k = 4 ran 1.94-1.95x (twenty-third
+        session)."""
         session = self.session
-        self.costs.observe_verify(batch, width, verify)
+        if not started:
+            self.costs.observe_verify(batch, width, verify)
         plain = width == 1 and not session.last_asked
         self.plain_run = self.plain_run + 1 if plain else 0
         if churned:

@@ -279,6 +279,27 @@ def test_steps_that_start_or_finish_requests_are_no_gates_rate_nor_step_cost():
     assert counted() == (1, 1, 1)
 
 
+def test_verify_of_a_step_that_started_requests_is_no_verify_sample():
+    """A step that started requests waited in its verify for their prefills: its verify time is not a
+    verify sample. Once it was (one H200, B=1, draft in the target), a run's first step timed width 5 at
+    107 ms, k = 4 was estimated at 55 ms from it and the start-up timing, and never chosen again."""
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics import ServiceMetrics
+    from target_service.config import TargetConfig
+    from target_service.runner import StepResult
+    from target_service.scheduler import Scheduler
+
+    metrics = ServiceMetrics("target", "prefill", registry=CollectorRegistry())
+    config = TargetConfig(model="none", max_batch_size=1, speculation_policy="adaptive")
+    sched = Scheduler(SimulatedRunner(), config, metrics, SimulatedDraft(), frozenset())
+    bucket = sched.costs.bucket(1)
+    sched._account([object()], 5, StepResult([[1]], [0], 0.0), 1, 0.0, 0.0, 0.0, 0.107, 0.108)
+    assert (bucket, 5) not in sched.costs.verify
+    sched._account([object()], 5, StepResult([[1]], [0], 0.0), 0, 0.0, 0.0, 0.0, 2e-3, 3e-3)
+    assert sched.costs.verify[bucket, 5] == pytest.approx(2e-3)  # power: a steady step's verify counts
+
+
 def test_step_trace_has_a_line_per_step(tmp_path):
     """--step-trace: one JSON line per step of the real loop, its tokens those the clients received."""
     import itertools
