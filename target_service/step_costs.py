@@ -26,17 +26,19 @@ PLAIN_SETTLE = 2
 
 
 class Medians(dict):
-    """key -> median of the last `window` observations of that key."""
+    """key -> median of the last `window` observations of that key (low: of an even count, the lower of
+    the middle two rather than their mean)."""
 
-    def __init__(self, window: int):
+    def __init__(self, window: int, low: bool = False):
         super().__init__()
         self.window = window
         self.recent: dict = {}
+        self._median = statistics.median_low if low else statistics.median
 
     def observe(self, key, seconds: float) -> None:
         recent = self.recent.setdefault(key, collections.deque(maxlen=self.window))
         recent.append(seconds)
-        self[key] = statistics.median(recent)
+        self[key] = self._median(recent)
 
 
 class StepCosts:
@@ -47,7 +49,10 @@ class StepCosts:
     def __init__(self, batch_buckets: Sequence[int], window: int = 16):
         self.batch_buckets = list(batch_buckets)
         self._index = {b: i for i, b in enumerate(self.batch_buckets)}
-        self.verify = Medians(window)  # (bucket, width) -> the verify forward
+        # The verify's lower median: a width's start-up timing and one stalled served sample (107 ms beside
+        # ~2, one H200, B=1) averaged into a price that kept the policy off that k, so no sample came to
+        # replace it; a price too low corrects itself (the k is chosen and its whole steps timed).
+        self.verify = Medians(window, low=True)  # (bucket, width) -> the verify forward
         self.draft = Medians(window)  # (bucket, k) -> the wait for the draft's answer
         self.step = Medians(window)  # (bucket, k) -> a whole steady step
         self.residue = Medians(window)  # bucket -> a step's wall less its verify and draft wait

@@ -93,8 +93,23 @@ def test_start_up_verify_timings_take_the_drift_that_served_steps_show():
     assert c.verify_seconds(1, 3) == pytest.approx(2e-3)  # 5 ms x 2 / 5
     assert c.verify_seconds(16, 3) == pytest.approx(5e-3)  # another bucket: its own drift, none yet
     c.observe_verify(1, 1, 1e-3)  # a served width keeps its own figure
-    assert c.verify_seconds(1, 1) == pytest.approx(3e-3)  # median of the start-up 5 and the served 1
-    assert c.verify_seconds(1, 3) == pytest.approx(5e-3 * 3e-3 / 5e-3)  # the latest served width's drift
+    assert c.verify_seconds(1, 1) == pytest.approx(1e-3)  # the lower median of the start-up 5 and served 1
+    assert c.verify_seconds(1, 3) == pytest.approx(5e-3 * 1e-3 / 5e-3)  # the latest served width's drift
+    c.observe_verify(1, 1, 3e-3)
+    assert c.verify_seconds(1, 1) == pytest.approx(3e-3)  # of three, the middle one
+
+
+def test_one_stalled_verify_does_not_price_its_width_out():
+    """A width's start-up timing and one stalled served sample: the lower of the two, not their mean (one
+    H200, B=1: 107 ms beside ~2 priced k = 4 at 55 ms, and no k = 4 step ran again to correct it). Whole
+    steps keep the plain median (power: the same two samples of a step average)."""
+    c = StepCosts(BUCKETS)
+    c.observe_startup_verify(1, 5, 2e-3)
+    c.observe_verify(1, 5, 107e-3)
+    assert c.verify_seconds(1, 5) == pytest.approx(2e-3)
+    c.observe_step(1, 4, 2e-3, verify=1e-3, draft_wait=0.0)
+    c.observe_step(1, 4, 107e-3, verify=1e-3, draft_wait=0.0)
+    assert c.step_seconds(1, 4) == pytest.approx(54.5e-3)
 
 
 def test_batch_tokens_matches_expected_tokens():
