@@ -116,7 +116,7 @@ def test_rotary_attention_keeps_the_attention_shared_memory(compiled):
 def test_skinny_linear_tile_fits_the_h200_shared_memory(compiled):
     assert compiled["skinny"]["shared"] <= H200_SHARED_BYTES
     # stream_linear's GLU tiles (gate and up weight tiles per stage): up to 16 rows, and the wide-K tiles
-    # linear() takes above 16 (an 80-row verify in one 128-row block); the narrow ones would not fit there
+    # linear() takes for a 128-row block (an 80-row verify); the narrow ones would not fit there
     for name in ("stream_glu_16", "stream_glu_128"):
         assert compiled[name]["shared"] <= H200_SHARED_BYTES and compiled[name]["wait"], name
     assert compiled["stream_glu_128_narrow"]["shared"] > H200_SHARED_BYTES

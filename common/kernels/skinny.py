@@ -85,7 +85,7 @@ STREAM_MAX_ROWS = 5
 # verify in cuBLAS still agree.
 GLU_MAX_ROWS = int(os.environ.get("SPECSPLIT_GLU_MAX_ROWS", "16"))
 GLU_TILES = dict(block_n=32, block_k=128, stages=4)
-# Above 16 rows (a raised SPECSPLIT_GLU_MAX_ROWS) the 128-row block with 128-wide K tiles needs 240 KB of
+# A 128-row block (over 64 rows: a raised SPECSPLIT_GLU_MAX_ROWS) with 128-wide K tiles needs 240 KB of
 # shared memory (sm_90 has 227): 64-wide K tiles there (the sweep's 36.7 us at 80 rows).
 GLU_TILES_WIDE = dict(block_n=32, block_k=64, stages=4)
 
@@ -349,8 +349,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, glu: bool = Fa
     rows = x.numel() // x.shape[-1]
     if glu:
         if kernels and STREAM_ENABLED and glu_streams(rows, weight):
-            tiles = GLU_TILES if rows <= 16 else GLU_TILES_WIDE
-            return stream_linear(x, weight, bias, glu=True, block_m=_row_block(rows), **tiles)
+            block_m = _row_block(rows)
+            tiles = GLU_TILES if block_m < 128 else GLU_TILES_WIDE
+            return stream_linear(x, weight, bias, glu=True, block_m=block_m, **tiles)
         out = linear(x, weight, bias)
         return fused.silu_and_mul(out) if fused.on_gpu(x) else fused.silu_and_mul_reference(out)
     if kernels:
