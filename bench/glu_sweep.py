@@ -6,11 +6,11 @@ configuration, on the 1.5B target's shape (gate_up 17920 x 1536).
 
 Each figure is one call's GPU time inside a CUDA graph of 28 calls on 28 weight copies (as the layers do;
 PDL launches on Hopper), median of 3 x 50 replays (bench/gemm_sweep.py's `time_graph`). Each
-configuration also records whether its output equals the unfused pair's bit for bit (`same_as_cublas`),
-whether row 0 of an 80-row call equals the row alone (`invariant`), and whether 16- and 128-row blocks
-give the same bits (`same_as_16`). The switch that puts it in the model: SPECSPLIT_GLU_MAX_ROWS
-(common/kernels/skinny.py); the forward A/B: bench/device_s22.sh with a `glu=.,SPECSPLIT_GLU_MAX_ROWS=80`
-configuration.
+configuration also records, at the largest row count, whether its output equals the unfused pair's at
+that row count bit for bit (`same_as_cublas`), whether row 0 equals the row alone (`invariant`), and
+whether 16-row blocks give the same bits (`same_as_16`). The model serves up to SPECSPLIT_GLU_MAX_ROWS
+rows with it (common/kernels/skinny.py, default 16); the forward A/B: bench/device_s22.sh with a
+`glu=.,SPECSPLIT_GLU_MAX_ROWS=N` configuration (docs/benchmarks.md, twenty-third session).
 """
 
 from __future__ import annotations

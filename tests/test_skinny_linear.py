@@ -110,10 +110,10 @@ def test_stream_linear_glu_is_the_gemm_then_silu_and_mul(rows, bias, block_m):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_glu_path_sums_as_cublas_on_the_1_5b_gate_up(monkeypatch):
     """The lossless premise of GLU_MAX_ROWS: on the 1.5B's gate_up (2 x 8960 x 1536, bf16) `linear(glu=True)`
-    through stream_linear gives bit for bit cuBLAS's GEMM then silu_and_mul, at the rows it serves by default
-    (1, 5, 16: plain steps and B=1's verify) and at 80 with the wide tiles (a raised limit), so a plain step
-    in it and a verify in cuBLAS pick the same tokens. Power: the silu_and_mul of a GEMM whose K is summed in
-    another order (two halves added) differs."""
+    through stream_linear gives bit for bit those rows of cuBLAS's 80-row GEMM then silu_and_mul (B=16's
+    verify), at the rows it serves by default (1, 5, 16: plain steps and B=1's verify) and at 80 with the
+    wide tiles (a raised limit), so a plain step in it and that verify in cuBLAS pick the same tokens.
+    Power: the silu_and_mul of a GEMM whose K is summed in another order (two halves added) differs."""
     monkeypatch.setattr(skinny, "GLU_MAX_ROWS", 80)
     monkeypatch.setattr(skinny, "REQUIRE_PDL", False)
     x, w, _ = _operands(80, 2 * 8960, 1536, False, seed=11)

@@ -80,9 +80,10 @@ STREAM_MAX_ROWS = 5
 # rows; 0: off (cuBLAS, then the silu_and_mul kernel). Measured on the 1.5B (one H200, graphed forward, 3
 # interleaved rounds, twenty-third session): B=1 width 5 (5 rows) 1.441 -> 1.356 ms, a plain B=16 step (16
 # rows) 1.597 -> 1.489; at 20 and 32 rows 1.561 -> 1.715 and 1.562 -> 1.740 (bench/glu_sweep.py: 33-78 us
-# for the GEMM at 80 rows where cuBLAS + silu_and_mul take 20.4), hence 16. Its sums equal cuBLAS's bit for
-# bit at 1, 5, 16 and 80 rows on that GEMM (the sweep's same_as_cublas), so a plain step here and its
-# verify in cuBLAS still agree.
+# for the GEMM at 80 rows where cuBLAS + silu_and_mul take 20.4), hence 16. On that GEMM a row's bits here
+# at 1, 5, 16 or 80 rows equal that row of cuBLAS's 80-row GEMM (the GPU test
+# test_glu_path_sums_as_cublas_on_the_1_5b_gate_up), so a plain step here and B=16's verify in cuBLAS
+# still agree.
 GLU_MAX_ROWS = int(os.environ.get("SPECSPLIT_GLU_MAX_ROWS", "16"))
 GLU_TILES = dict(block_n=32, block_k=128, stages=4)
 # A 128-row block (over 64 rows: a raised SPECSPLIT_GLU_MAX_ROWS) with 128-wide K tiles needs 240 KB of

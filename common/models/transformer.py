@@ -10,7 +10,8 @@ per (B, L, ctx_len).
 
 On the GPU a layer is: add+RMSNorm, qkv GEMM, rotary + KV write + attention (one kernel), o_proj,
 add+RMSNorm, gate_up GEMM, SiLU-and-mul, down GEMM (common/kernels/fused.py, launched with PDL on Hopper;
-qkv and o_proj at up to 16 rows in common/kernels/skinny.py); on the CPU the torch references of the same.
+qkv and o_proj at up to 16 rows in common/kernels/skinny.py, where gate_up and SiLU-and-mul are one kernel
+at up to 16 rows too); on the CPU the torch references of the same.
 """
 
 from __future__ import annotations
