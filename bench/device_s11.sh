@@ -7,13 +7,14 @@
 #   NAME=final bash bench/device_s11.sh                   (B = 1, 4, 16, 64)
 #   DRAFT_ARGS="--no-draft-ahead" NAME=noahead bash bench/device_s11.sh   (extra draft flags)
 #   MODES="plain adaptive" NAME=gate bash bench/device_s11.sh            (some of the modes)
+#   K0=" " MODES="plain fixed adaptive" ...                                  (also k = 0 on the fixed target)
 set -euo pipefail
 NAME=${NAME:-s11}
 source bench/device_env.sh
 read -ra batches <<< "${BATCHES:-1 4 16 64}"
 python3 bench/bench_e2e.py --preset qwen1.5b --device cuda --dtypes bfloat16 --repeats 3 --models /tmp/models \
   --placement colocated --modes ${MODES:-plain fixed adaptive} --target-log-level DEBUG --logs /tmp/e2e-logs-$NAME \
-  --new-tokens 384 --batches "${batches[@]}" --probe-divergences 2 --no-k0 --step-traces "--draft-args=${DRAFT_ARGS:-}" ${EXTRA:-} \
+  --new-tokens 384 --batches "${batches[@]}" --probe-divergences 2 ${K0:---no-k0} --step-traces "--draft-args=${DRAFT_ARGS:-}" ${EXTRA:-} \
   --out "$OUT/e2e-$NAME.json" | tee "$OUT/e2e-$NAME.txt" | grep -v '^{'
 for b in "${batches[@]}"; do
   python3 bench/step_trace_summary.py /tmp/e2e-logs-$NAME/*-steps.jsonl --batch "$b" --min-tokens $((b * 300))

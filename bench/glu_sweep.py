@@ -3,6 +3,8 @@ against what the model runs without it (cuBLAS gate_up, then the `fused.silu_and
 configuration, on the 1.5B target's shape (gate_up 17920 x 1536).
 
     python bench/glu_sweep.py [--rows 1 5 16 80] --out glu-sweep.jsonl
+    python bench/glu_sweep.py --wide --rows 20 32 80 --out glu-wide.jsonl   (row blocks of 32-128: warps,
+        stages and wider N tiles too; each row count only with the row block the model gives it)
 
 Each figure is one call's GPU time inside a CUDA graph of 28 calls on 28 weight copies (as the layers do;
 PDL launches on Hopper), median of 3 x 50 replays (bench/gemm_sweep.py's `time_graph`). Each
@@ -43,6 +45,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 5, 16, 80])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--wide", action="store_true", help="the grid for 32-128-row blocks")
     args = ap.parse_args()
     torch.manual_seed(0)
     n, k, _ = SHAPES["gate_up"]
@@ -63,6 +66,18 @@ def main() -> None:
         for m in args.rows:
             emit(dict(base, kernel="cublas+silu_and_mul", rows=m, us=round(per_call(unfused, xs[m]), 3)))
         grid = itertools.product((32, 64), (64, 128, 256), (4,), (16, 64, 128), (4,))  # ~18 compiles
+        if args.wide:  # ~60 compiles: each row count's own block (more warps for its dot, fewer stages
+            # for two programs an SM: at 80 rows 140-280 programs share 132 SMs)
+            blocks = sorted({skinny._row_block(m) for m in args.rows})
+            grid = [
+                (bn, bk, stages, bm, warps)
+                for bm in blocks
+                for bn in (32, 64, 128)
+                for bk in ((64, 128) if bm < 128 else (32, 64))
+                for stages in (2, 3, 4)
+                for warps in (4, 8)
+                if not (bn == 128 and warps == 4)
+            ]
         for bn, bk, stages, bm, warps in grid:
             cfg = dict(block_n=bn, block_k=bk, stages=stages, block_m=bm, warps=warps)
             t0 = time.time()
@@ -75,8 +90,8 @@ def main() -> None:
                     same_as_16=bool(torch.equal(glu(xs[big], ws[0], **{**cfg, "block_m": 16}), among)),
                 )
                 for m in args.rows:
-                    if bm > skinny._row_block(m):
-                        continue  # the model would serve these rows with a smaller block
+                    if bm > skinny._row_block(m) or (args.wide and bm != skinny._row_block(m)):
+                        continue  # the model would serve these rows with another block
                     us = round(per_call(glu, xs[m], **cfg), 3)
                     took = round(time.time() - t0, 1)
                     emit(dict(base, kernel="stream_glu", rows=m, us=us, s=took, **checks, **cfg))

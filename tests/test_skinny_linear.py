@@ -125,6 +125,19 @@ def test_glu_path_sums_as_cublas_on_the_1_5b_gate_up(monkeypatch):
     assert not torch.equal(fused.silu_and_mul(halves.bfloat16()), want)
 
 
+def test_glu_tiles_by_row_block_and_their_flag():
+    """SPECSPLIT_GLU_TILES overrides the tiles of some row blocks (forward A/Bs); a bad entry is a
+    load-time error naming the flag and the entry."""
+    table = skinny._glu_tiles_by_block("")
+    assert table[16] == table[64] == skinny.GLU_TILES and table[128] == skinny.GLU_TILES_WIDE
+    table = skinny._glu_tiles_by_block("128=128,64,3,8;32=64,128,3,4")
+    assert table[128] == dict(block_n=128, block_k=64, stages=3, warps=8)
+    assert table[32] == dict(block_n=64, block_k=128, stages=3, warps=4) and table[16] == skinny.GLU_TILES
+    for bad in ("24=64,64,3,8", "128=64,64,3", "128=a,64,3,8"):
+        with pytest.raises(ValueError, match=f"SPECSPLIT_GLU_TILES: '{bad}'"):
+            skinny._glu_tiles_by_block(bad)
+
+
 def test_model_sends_gate_up_to_the_glu_kernel_when_on(tmp_path, monkeypatch):
     """With GLU_MAX_ROWS at 64, each layer's gate_up GEMM and SiLU-and-mul are one stream_linear(glu) call
     at 5 rows and at 40 (no silu_and_mul kernel); with stream_linear off the GEMM then silu_and_mul. The

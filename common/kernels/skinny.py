@@ -80,8 +80,10 @@ STREAM_MAX_ROWS = 5
 # rows; 0: off (cuBLAS, then the silu_and_mul kernel). Measured on the 1.5B (one H200, graphed forward, 3
 # interleaved rounds, twenty-third session): B=1 width 5 (5 rows) 1.441 -> 1.356 ms, a plain B=16 step (16
 # rows) 1.597 -> 1.489; at 20 and 32 rows 1.561 -> 1.715 and 1.562 -> 1.740 (bench/glu_sweep.py: 33-78 us
-# for the GEMM at 80 rows where cuBLAS + silu_and_mul take 20.4), hence 16. On that GEMM a row's bits here
-# at 1, 5, 16 or 80 rows equal that row of cuBLAS's 80-row GEMM (the GPU test
+# for the GEMM at 80 rows where cuBLAS + silu_and_mul take 20.4), hence 16. Tiles made for 32-128-row
+# blocks (8 warps, 3 stages, 64-128-wide N: bench/glu_sweep.py --wide, twenty-fourth session) got 80 rows
+# to 25.9 us against 21.4 and lost in the forward (B=16 width 5 1.797 -> 1.924 ms). On that GEMM a row's
+# bits here at 1, 5, 16 or 80 rows equal that row of cuBLAS's 80-row GEMM (the GPU test
 # test_glu_path_sums_as_cublas_on_the_1_5b_gate_up), so a plain step here and B=16's verify in cuBLAS
 # still agree.
 GLU_MAX_ROWS = int(os.environ.get("SPECSPLIT_GLU_MAX_ROWS", "16"))
@@ -89,6 +91,27 @@ GLU_TILES = dict(block_n=32, block_k=128, stages=4)
 # A 128-row block (over 64 rows: a raised SPECSPLIT_GLU_MAX_ROWS) with 128-wide K tiles needs 240 KB of
 # shared memory (sm_90 has 227): 64-wide K tiles there (the sweep's 36.7 us at 80 rows).
 GLU_TILES_WIDE = dict(block_n=32, block_k=64, stages=4)
+
+
+def _glu_tiles_by_block(spec: str) -> dict[int, dict]:
+    """Row block -> tiles of stream_linear(glu=True): 16-64-row blocks GLU_TILES, 128 GLU_TILES_WIDE, with
+    SPECSPLIT_GLU_TILES="BLOCK_M=block_n,block_k,stages,warps;..." overriding some (forward A/Bs of the
+    tiles bench/glu_sweep.py --wide finds)."""
+    table = {16: GLU_TILES, 32: GLU_TILES, 64: GLU_TILES, 128: GLU_TILES_WIDE}
+    for item in filter(None, spec.split(";")):
+        block, _, values = item.partition("=")
+        try:
+            bn, bk, stages, warps = (int(v) for v in values.split(","))
+            if int(block) not in table:
+                raise ValueError(f"row block {block} is not one of {sorted(table)}")
+        except ValueError as e:
+            want = "want BLOCK_M=block_n,block_k,stages,warps"
+            raise ValueError(f"SPECSPLIT_GLU_TILES: {item!r}: {want} ({e})") from None
+        table[int(block)] = dict(block_n=bn, block_k=bk, stages=stages, warps=warps)
+    return table
+
+
+GLU_TILES_BY_BLOCK = _glu_tiles_by_block(os.environ.get("SPECSPLIT_GLU_TILES", ""))
 
 
 @triton.jit
@@ -351,8 +374,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, glu: bool = Fa
     if glu:
         if kernels and STREAM_ENABLED and glu_streams(rows, weight):
             block_m = _row_block(rows)
-            tiles = GLU_TILES if block_m < 128 else GLU_TILES_WIDE
-            return stream_linear(x, weight, bias, glu=True, block_m=block_m, **tiles)
+            return stream_linear(x, weight, bias, glu=True, block_m=block_m, **GLU_TILES_BY_BLOCK[block_m])
         out = linear(x, weight, bias)
         return fused.silu_and_mul(out) if fused.on_gpu(x) else fused.silu_and_mul_reference(out)
     if kernels:
