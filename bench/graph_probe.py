@@ -1,0 +1,88 @@
+"""Why one batch's graphed forward runs at a different speed depending on what the process did before.
+
+The twenty-fourth session measured B=4's width-5 forward at 1.556 ms in processes that never ran B=1 and
+1.670 ms in processes that captured B=1 first (bench/profile_step.py, docs/benchmarks.md). This probe
+captures a list of batches in a given order, optionally runs some batches eagerly first or gives each
+graph its own memory pool, times one batch's graph (GPU ms per replay over 200 back-to-back replays, 3
+repeats) and, with --kernels, lists that graph's kernels with their mean GPU time per replay:
+
+    python bench/graph_probe.py --capture 1 4 --time 4 --kernels --out a.json
+    python bench/graph_probe.py --capture 4 --time 4 --kernels --out b.json
+    python bench/graph_probe.py --capture 4 1 --time 4           # B=1 captured after B=4
+    python bench/graph_probe.py --eager 1 --capture 4 --time 4   # B=1 only eager, never captured
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.profile_step import Bench
+from common.distributed import init_tp
+
+
+def graph_of(bench: Bench, batch: int, width: int):
+    p = bench._batch(batch, width)
+    bench.step(p.input_ids, p.positions, p.slots, p.ctx_len)  # captures on first use
+    return bench.step.graphs[(batch, width, bench.step._bucket(bench.step.ctx_buckets, p.ctx_len))][0]
+
+
+def kernels(graph, replays: int = 20) -> list[dict]:
+    """Per-kernel GPU time inside graph replays (CUPTI records a graph's kernels one by one)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
+            rows.append({"kernel": evt.key[:120], "per_replay": evt.count / replays,
+                         "us_per_replay": round(evt.device_time_total / replays, 2)})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["us_per_replay"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--capture", type=int, nargs="+", required=True, help="batches captured, in this order")
+    ap.add_argument("--eager", type=int, nargs="*", default=[], help="batches run eagerly before any capture")
+    ap.add_argument("--time", type=int, required=True, help="the batch whose graph is timed")
+    ap.add_argument("--width", type=int, default=5)
+    ap.add_argument("--pool-per-graph", action="store_true", help="a fresh memory pool for every capture")
+    ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    comm = init_tp(1, 0, device=torch.device("cuda", 0))
+    bench = Bench(comm, SimpleNamespace(model=None, preset="qwen1.5b", fp32_logits=False, context=100,
+                                        batch=sorted(set(args.capture) | {args.time})))  # fmt: skip
+    for b in args.eager:
+        bench.eager(b, args.width)
+    torch.cuda.synchronize()
+    for b in args.capture:
+        if args.pool_per_graph:
+            bench.step.pool = torch.cuda.graph_pool_handle()
+        graph_of(bench, b, args.width)
+    graph = graph_of(bench, args.time, args.width)
+    for _ in range(3):
+        bench.replay(args.time, args.width, 20)  # warm
+    ms = [bench.replay(args.time, args.width, 200) for _ in range(3)]
+    result = {"capture": args.capture, "eager": args.eager, "time": args.time, "width": args.width,
+              "pool_per_graph": args.pool_per_graph, "graph_ms": [round(x, 4) for x in ms],
+              "graph_ms_median": round(statistics.median(ms), 4)}  # fmt: skip
+    print(json.dumps(result), flush=True)
+    if args.kernels:
+        result["kernels"] = kernels(graph)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
