@@ -15,6 +15,7 @@ repeats) and, with --kernels, lists that graph's kernels with their mean GPU tim
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -56,6 +57,8 @@ def main() -> int:
     ap.add_argument("--time", type=int, required=True, help="the batch whose graph is timed")
     ap.add_argument("--width", type=int, default=5)
     ap.add_argument("--pool-per-graph", action="store_true", help="a fresh memory pool for every capture")
+    ap.add_argument("--drop", action="store_true", help="free every other graph before timing")
+    ap.add_argument("--trivial", type=int, default=0, help="one-kernel graphs captured after")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -70,11 +73,25 @@ def main() -> int:
             bench.step.pool = torch.cuda.graph_pool_handle()
         graph_of(bench, b, args.width)
     graph = graph_of(bench, args.time, args.width)
+    if args.drop:
+        for key in [k for k, v in bench.step.graphs.items() if v[0] is not graph]:
+            del bench.step.graphs[key]
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    trivial = []
+    for _ in range(args.trivial):
+        x = torch.zeros(16, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            x.add_(1)
+        trivial.append((g, x))
     for _ in range(3):
         bench.replay(args.time, args.width, 20)  # warm
     ms = [bench.replay(args.time, args.width, 200) for _ in range(3)]
     result = {"capture": args.capture, "eager": args.eager, "time": args.time, "width": args.width,
-              "pool_per_graph": args.pool_per_graph, "graph_ms": [round(x, 4) for x in ms],
+              "pool_per_graph": args.pool_per_graph, "drop": args.drop, "trivial": args.trivial,
+              "graph_ms": [round(x, 4) for x in ms],
               "graph_ms_median": round(statistics.median(ms), 4)}  # fmt: skip
     print(json.dumps(result), flush=True)
     if args.kernels:
