@@ -36,6 +36,14 @@ def graph_of(bench: Bench, batch: int, width: int):
     return bench.step.graphs[(batch, width, bench.step._bucket(bench.step.ctx_buckets, p.ctx_len))][0]
 
 
+def trivial_graph():
+    x = torch.zeros(16, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        x.add_(1)
+    return g, x
+
+
 def kernels(graph, replays: int = 20) -> list[dict]:
     """Per-kernel GPU time inside graph replays (CUPTI records a graph's kernels one by one)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -59,15 +67,22 @@ def main() -> int:
     ap.add_argument("--pool-per-graph", action="store_true", help="a fresh memory pool for every capture")
     ap.add_argument("--drop", action="store_true", help="free every other graph before timing")
     ap.add_argument("--trivial", type=int, default=0, help="one-kernel graphs captured after")
+    ap.add_argument("--trivial-first", action="store_true", help="a one-kernel graph captured first")
+    ap.add_argument("--no-empty-cache", action="store_true", help="empty_cache made a no-op")
+    ap.add_argument("--empty-after", choices=["device", "host"], help="empty this cache after the captures")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.no_empty_cache:
+        torch.cuda.empty_cache = lambda: None
+        torch._C._host_emptyCache = lambda: None
     comm = init_tp(1, 0, device=torch.device("cuda", 0))
     bench = Bench(comm, SimpleNamespace(model=None, preset="qwen1.5b", fp32_logits=False, context=100,
                                         batch=sorted(set(args.capture) | {args.time})))  # fmt: skip
     for b in args.eager:
         bench.eager(b, args.width)
     torch.cuda.synchronize()
+    keep = [trivial_graph()] if args.trivial_first else []
     for b in args.capture:
         if args.pool_per_graph:
             bench.step.pool = torch.cuda.graph_pool_handle()
@@ -79,18 +94,18 @@ def main() -> int:
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    trivial = []
-    for _ in range(args.trivial):
-        x = torch.zeros(16, device="cuda")
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            x.add_(1)
-        trivial.append((g, x))
+    keep += [trivial_graph() for _ in range(args.trivial)]
+    if args.empty_after == "device":
+        torch.cuda.empty_cache()
+    elif args.empty_after == "host":
+        torch._C._host_emptyCache()
     for _ in range(3):
         bench.replay(args.time, args.width, 20)  # warm
     ms = [bench.replay(args.time, args.width, 200) for _ in range(3)]
     result = {"capture": args.capture, "eager": args.eager, "time": args.time, "width": args.width,
               "pool_per_graph": args.pool_per_graph, "drop": args.drop, "trivial": args.trivial,
+              "trivial_first": args.trivial_first, "no_empty_cache": args.no_empty_cache,
+              "empty_after": args.empty_after,
               "graph_ms": [round(x, 4) for x in ms],
               "graph_ms_median": round(statistics.median(ms), 4)}  # fmt: skip
     print(json.dumps(result), flush=True)
