@@ -44,12 +44,33 @@ def trivial_graph():
     return g, x
 
 
-def kernels(graph, replays: int = 20) -> list[dict]:
+def gaps(prof, replays: int) -> dict:
+    """From the profile's kernel timeline: span per replay, summed kernel time per replay, and the mean
+    gap (next start - previous end; negative: overlap) between each pair of consecutive kernels."""
+    path = "/tmp/graph_probe_trace.json"
+    prof.export_chrome_trace(path)
+    events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("cat") == "kernel"]
+    events.sort(key=lambda e: e["ts"])
+    pairs: dict[str, list[float]] = {}
+    for prev, nxt in zip(events, events[1:]):
+        key = f"{prev['name'][:40]} -> {nxt['name'][:40]}"
+        pairs.setdefault(key, []).append(nxt["ts"] - prev["ts"] - prev["dur"])
+    span = (events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]) / replays
+    rows = [{"pair": k, "count_per_replay": len(v) / replays, "mean_gap_us": round(sum(v) / len(v), 3),
+             "gap_us_per_replay": round(sum(v) / replays, 2)} for k, v in pairs.items()]  # fmt: skip
+    rows.sort(key=lambda r: -abs(r["gap_us_per_replay"]))
+    return {"span_us_per_replay": round(span, 1),
+            "kernel_us_per_replay": round(sum(e["dur"] for e in events) / replays, 1), "pairs": rows[:25]}  # fmt: skip
+
+
+def kernels(graph, replays: int = 20, with_gaps: bool = False) -> list[dict] | dict:
     """Per-kernel GPU time inside graph replays (CUPTI records a graph's kernels one by one)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
+    if with_gaps:
+        return gaps(prof, replays)
     rows = []
     for evt in prof.key_averages():
         if evt.device_type == torch.autograd.DeviceType.CUDA and evt.device_time_total > 0:
@@ -71,6 +92,7 @@ def main() -> int:
     ap.add_argument("--no-empty-cache", action="store_true", help="empty_cache made a no-op")
     ap.add_argument("--empty-after", choices=["device", "host"], help="empty this cache after the captures")
     ap.add_argument("--kernels", action="store_true")
+    ap.add_argument("--gaps", action="store_true", help="the timeline's gaps between consecutive kernels")
     ap.add_argument("--out")
     args = ap.parse_args()
     if args.no_empty_cache:
@@ -111,6 +133,8 @@ def main() -> int:
     print(json.dumps(result), flush=True)
     if args.kernels:
         result["kernels"] = kernels(graph)
+    if args.gaps:
+        result["gaps"] = kernels(graph, with_gaps=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     return 0
