@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import statistics
 import sys
@@ -52,15 +53,15 @@ def gaps(prof, replays: int) -> dict:
     events = [e for e in json.loads(Path(path).read_text())["traceEvents"] if e.get("cat") == "kernel"]
     events.sort(key=lambda e: e["ts"])
     pairs: dict[str, list[float]] = {}
-    for prev, nxt in zip(events, events[1:]):
+    for prev, nxt in itertools.pairwise(events):
         key = f"{prev['name'][:40]} -> {nxt['name'][:40]}"
         pairs.setdefault(key, []).append(nxt["ts"] - prev["ts"] - prev["dur"])
     span = (events[-1]["ts"] + events[-1]["dur"] - events[0]["ts"]) / replays
     rows = [{"pair": k, "count_per_replay": len(v) / replays, "mean_gap_us": round(sum(v) / len(v), 3),
              "gap_us_per_replay": round(sum(v) / replays, 2)} for k, v in pairs.items()]  # fmt: skip
     rows.sort(key=lambda r: -abs(r["gap_us_per_replay"]))
-    return {"span_us_per_replay": round(span, 1),
-            "kernel_us_per_replay": round(sum(e["dur"] for e in events) / replays, 1), "pairs": rows[:25]}  # fmt: skip
+    busy = sum(e["dur"] for e in events) / replays
+    return {"span_us_per_replay": round(span, 1), "kernel_us_per_replay": round(busy, 1), "pairs": rows[:25]}
 
 
 def kernels(graph, replays: int = 20, with_gaps: bool = False) -> list[dict] | dict:
