@@ -93,7 +93,7 @@ def main() -> int:
     ap.add_argument("--trivial-first", action="store_true", help="a one-kernel graph captured first")
     ap.add_argument("--no-empty-cache", action="store_true", help="empty_cache made a no-op")
     ap.add_argument("--empty-after", choices=["device", "host"], help="empty this cache after the captures")
-    ap.add_argument("--replay-stream", action="store_true", help="replay on a side stream, not the default one")
+    ap.add_argument("--replay-stream", action="store_true", help="replay on a side stream")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--gaps", action="store_true", help="the timeline's gaps between consecutive kernels")
     ap.add_argument("--out")
