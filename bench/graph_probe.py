@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.profile_step import Bench
+from bench.profile_step import Bench, one_kernel_graph
 from common.distributed import init_tp
 
 
@@ -36,14 +36,6 @@ def graph_of(bench: Bench, batch: int, width: int):
     p = bench._batch(batch, width)
     bench.step(p.input_ids, p.positions, p.slots, p.ctx_len)  # captures on first use
     return bench.step.graphs[(batch, width, bench.step._bucket(bench.step.ctx_buckets, p.ctx_len))][0]
-
-
-def trivial_graph():
-    x = torch.zeros(16, device="cuda")
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        x.add_(1)
-    return g, x
 
 
 def gaps(prof, replays: int) -> dict:
@@ -102,12 +94,14 @@ def main() -> int:
         torch.cuda.empty_cache = lambda: None
         torch._C._host_emptyCache = lambda: None
     comm = init_tp(1, 0, device=torch.device("cuda", 0))
-    bench = Bench(comm, SimpleNamespace(model=None, preset="qwen1.5b", fp32_logits=False, context=100,
-                                        batch=sorted(set(args.capture) | {args.time})))  # fmt: skip
+    batches = sorted(set(args.capture) | {args.time})
+    spec = SimpleNamespace(model=None, preset="qwen1.5b", fp32_logits=False, context=100, batch=batches)
+    spec.alone = True
+    bench = Bench(comm, spec)
     for b in args.eager:
         bench.eager(b, args.width)
     torch.cuda.synchronize()
-    keep = [trivial_graph()] if args.trivial_first else []
+    keep = [one_kernel_graph(torch.device("cuda", 0))] if args.trivial_first else []
     for b in args.capture:
         if args.pool_per_graph:
             bench.step.pool = torch.cuda.graph_pool_handle()
@@ -119,7 +113,7 @@ def main() -> int:
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    keep += [trivial_graph() for _ in range(args.trivial)]
+    keep += [one_kernel_graph(torch.device("cuda", 0)) for _ in range(args.trivial)]
     if args.empty_after == "device":
         torch.cuda.empty_cache()
     elif args.empty_after == "host":

@@ -82,6 +82,18 @@ def weight_bytes(model: Transformer) -> int:
     return total
 
 
+def one_kernel_graph(device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of one small kernel. Kept beside the timed graphs: a process that has instantiated a
+    single graph replays it faster than once it holds two or more (B=4 width 5: 1.557 against 1.667 ms,
+    B=16: 1.689 against 1.795; B=1 the same), whatever the second graph is and even after it is freed, and
+    a service holds dozens (bench/graph_probe.py, docs/benchmarks.md, twenty-fifth session)."""
+    x = torch.zeros(16, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x.add_(1)
+    return graph, x
+
+
 class Bench:
     """What every rank holds: the model shard, its cache, the graphed step and an executor around it."""
 
@@ -104,6 +116,7 @@ class Bench:
         self.step = StaticStep(self._logits, max_batch, self.max_len, max_batch, self.device, use_graphs=True,
                                copy_output=False)  # fmt: skip
         self.executor = TPExecutor(comm, {"verify": self.verify, "replay": self.replay, "eager": self.eager})
+        self.beside = None if getattr(args, "alone", False) else one_kernel_graph(self.device)
 
     @torch.inference_mode()
     def _logits(self, input_ids, positions, slots, ctx_len):
@@ -184,8 +197,9 @@ def run_rank0(comm: Comm, args) -> dict:
     wbytes = weight_bytes(bench.model)
     floor_ms = wbytes / HBM_BYTES_PER_S * 1e3
     result = {"preset": args.preset or args.model, "tp": comm.world_size, "width": args.width,
-              "context": args.context, "fp32_logits": args.fp32_logits, "weight_bytes_per_rank": wbytes,
-              "floor_ms": round(floor_ms, 4), "hbm_bytes_per_s": HBM_BYTES_PER_S, "batches": {}}  # fmt: skip
+              "context": args.context, "fp32_logits": args.fp32_logits, "alone": args.alone,
+              "weight_bytes_per_rank": wbytes, "floor_ms": round(floor_ms, 4),
+              "hbm_bytes_per_s": HBM_BYTES_PER_S, "batches": {}}  # fmt: skip
     for batch in args.batch:
         for _ in range(3):  # warm-up: capture, autotune, NCCL
             ex.run("verify", batch=batch, width=args.width)
@@ -265,6 +279,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=100, help="keys in the cache before the verified rows")
     ap.add_argument("--profile", action="store_true", help="add the per-kernel breakdown")
     ap.add_argument("--fp32-logits", action="store_true", help="upcast the logits in the graph (as before)")
+    ap.add_argument("--alone", action="store_true", help="no second graph (faster at B>=4 than served)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--whole-step", action="store_true", help="time TargetRunner.step (needs --model)")
     args = ap.parse_args()
