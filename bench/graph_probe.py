@@ -85,6 +85,7 @@ def main() -> int:
     ap.add_argument("--trivial-first", action="store_true", help="a one-kernel graph captured first")
     ap.add_argument("--no-empty-cache", action="store_true", help="empty_cache made a no-op")
     ap.add_argument("--empty-after", choices=["device", "host"], help="empty this cache after the captures")
+    ap.add_argument("--trivial-kept", action="store_true", help="a one-kernel capture never instantiated")
     ap.add_argument("--replay-stream", action="store_true", help="replay on a side stream")
     ap.add_argument("--kernels", action="store_true")
     ap.add_argument("--gaps", action="store_true", help="the timeline's gaps between consecutive kernels")
@@ -114,6 +115,12 @@ def main() -> int:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
     keep += [one_kernel_graph(torch.device("cuda", 0)) for _ in range(args.trivial)]
+    if args.trivial_kept:  # captured (cudaStreamBeginCapture ... EndCapture) but no cudaGraphInstantiate
+        x = torch.zeros(16, device="cuda")
+        kept = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(kept):
+            x.add_(1)
+        keep.append((kept, x))
     if args.empty_after == "device":
         torch.cuda.empty_cache()
     elif args.empty_after == "host":
@@ -127,6 +134,7 @@ def main() -> int:
               "pool_per_graph": args.pool_per_graph, "drop": args.drop, "trivial": args.trivial,
               "trivial_first": args.trivial_first, "no_empty_cache": args.no_empty_cache,
               "empty_after": args.empty_after, "replay_stream": args.replay_stream,
+              "trivial_kept": args.trivial_kept,
               "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
               "graph_ms": [round(x, 4) for x in ms],
               "graph_ms_median": round(statistics.median(ms), 4)}  # fmt: skip
