@@ -32,6 +32,12 @@ FIXED, ADAPTIVE = "fixed", "adaptive"
 # B=1, the draft in the target: k = 4 estimated at 6.2 ms, never tried, while k = 2 timed at 3.5 ms held the
 # policy at 1.11-1.25x plain where fixed k = 4 ran 1.36-1.52x).
 REFRESH_AGE, REFRESH_STEPS, REFRESH_WITHIN = 64, 4, 0.6
+# A k never timed at a bucket is tried sooner: after UNTIMED_AGE steady steps there. A new bucket's first
+# choice rests on parts, which overestimate a k whose draft wait overlaps its verify: one H200, B=64, the
+# draft in the target (twenty-fifth session), the first run at that bucket chose k = 3 (timed in a short
+# warm-up) for 27 steps at 33 k tok/s estimated while k = 4, untimed, ran at 38 k once tried. Knowing
+# early pays for the whole life of the bucket; a k that loses its try waits REFRESH_AGE and more after it.
+UNTIMED_AGE = 8
 # A k that its refresh leaves behind waits twice as long for the next one (up to REFRESH_AGE_MAX steps);
 # one that wins starts over. Refreshes are tries of a worse k: one H200, B=64, the draft's rounds chained
 # (rivals k = 2 and 3 within REFRESH_WITHIN, k = 1 at its edge), k = 1 and k = 2 ran 4 % of the full-batch
@@ -174,7 +180,7 @@ class SpeculationPolicy:
             for k in range(1, len(goodput))
             if k != best
             and goodput[k] >= REFRESH_WITHIN * goodput[best]
-            and (age := self.costs.age(batch, k)) > self.refresh_age.get((b, k), REFRESH_AGE)
+            and (age := self.costs.age(batch, k)) > self.refresh_age.get((b, k), self._first_wait(batch, k))
         }
         if not stale:
             return best
@@ -182,6 +188,10 @@ class SpeculationPolicy:
         self.costs.restart(batch, k)
         self.refreshing[b] = (k, REFRESH_STEPS - 1)
         return k
+
+    def _first_wait(self, batch: int, k: int) -> int:
+        """Steady steps before a refresh of k at this bucket, before any refresh of it there has ended."""
+        return REFRESH_AGE if self.costs.timed(batch, k) else UNTIMED_AGE
 
     def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
         """One step's output tokens and wall time (the gate's windows; not steps no request could

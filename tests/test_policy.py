@@ -763,8 +763,9 @@ def test_a_batch_near_its_end_does_not_switch_speculation_back_on():
 @pytest.mark.parametrize("gate", [True, False])
 def test_an_untimed_k_is_tried_once_its_bucket_is_old(gate, monkeypatch):
     """k = 4 never timed, its estimate from parts inflated by a long draft wait measured for it (5.2 ms
-    against 4.0 ms steady), so k = 2 (3.5 ms timed) rates best. After REFRESH_AGE steady steps at the
-    bucket k = 4 is tried, timed and kept (one H200, the draft in the target: the policy sat at k = 2)."""
+    against 4.0 ms steady), so k = 2 (3.5 ms timed) rates best. Once the bucket is UNTIMED_AGE steady steps
+    old k = 4 is tried, timed and kept (one H200, the draft in the target: the policy sat at k = 2; B=64:
+    at k = 3 for 27 steps)."""
     true = {0: 2e-3, 1: 6e-3, 2: 3.5e-3, 3: 6e-3, 4: 4.0e-3}
 
     def run() -> list[int]:
@@ -783,11 +784,16 @@ def test_an_untimed_k_is_tried_once_its_bucket_is_old(gate, monkeypatch):
         return chosen
 
     chosen = run()
-    assert chosen[:16] == [2] * 16, chosen[:16]
     first_k4 = chosen.index(4)
-    assert first_k4 <= policy_module.REFRESH_AGE + 20, first_k4
+    # the bucket is 4 steady steps old when the policy starts (the timings above)
+    assert policy_module.UNTIMED_AGE - 4 <= first_k4 <= policy_module.UNTIMED_AGE, chosen[:20]
+    assert chosen[:first_k4] == [2] * first_k4, chosen[:first_k4]
     late = chosen[first_k4 + policy_module.REFRESH_STEPS :]
     assert sum(k == 4 for k in late) / len(late) >= 0.85, chosen
-    # Power: without tries of untimed (or stale) k, k = 2 holds throughout.
+    # Power: with the timed k's wait (REFRESH_AGE) k = 4 comes only after 60 steps at k = 2; without tries
+    # of untimed (or stale) k, k = 2 holds throughout.
+    monkeypatch.setattr(policy_module, "UNTIMED_AGE", policy_module.REFRESH_AGE)
+    assert run().index(4) >= policy_module.REFRESH_AGE - 4
+    monkeypatch.setattr(policy_module, "UNTIMED_AGE", 10**9)
     monkeypatch.setattr(policy_module, "REFRESH_AGE", 10**9)
     assert 4 not in run()
