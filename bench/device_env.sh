@@ -50,3 +50,40 @@ gpu_tests() {
   python3 -m pytest -q -p no:cacheprovider ${TESTS:-$1} -k "not tp2" 2>&1 | tail -30 > "$OUT/gpu-tests.txt"
   tail -3 "$OUT/gpu-tests.txt"; echo "tests took $(( $(date +%s) - t0 )) s"
 }
+
+# bench/graph_probe.py once per case, each a fresh process, every case $REPS times over (default twice),
+# interleaved. A case is "name:[VAR=value ...] flags". Every run's JSON goes into $OUT/$1 (keyed
+# name-rREP), one line per run is printed, and the first round's kernel list or timeline gaps, if asked.
+graph_probes() {
+  local out=$1 dir=/tmp/probes-${1%.json} run name a rep
+  shift
+  mkdir -p "$dir"
+  for rep in ${REPS:-1 2}; do
+    for run in "$@"; do
+      name=${run%%:*}; a=${run#*:}
+      local env=()
+      while [[ $a == *" "* && ${a%% *} == *=* ]]; do env+=("${a%% *}"); a=${a#* }; done
+      env "${env[@]}" python3 bench/graph_probe.py $a --out "$dir/$name-r$rep.json" 2>&1 \
+        | grep -v "Warning\|_warn_once" | tail -1 | cut -c1-160
+    done
+  done
+  python3 - "$dir" "$OUT/$out" <<'PY'
+import glob, json, os, sys
+runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/*.json"))}
+json.dump(runs, open(sys.argv[2], "w"), indent=1)
+skip = {"graph_ms", "graph_ms_median", "kernels", "gaps", "width"}
+for name, r in runs.items():
+    flags = {k: v for k, v in r.items() if k not in skip and v not in (False, None, 0, [])}
+    print(name, flags, r["graph_ms_median"])
+for name, r in runs.items():
+    if name.endswith("-r1") and r.get("kernels"):
+        print(name, "kernels, us per replay:")
+        for k in r["kernels"][:12]:
+            print(f'  {k["us_per_replay"]:8.1f} {k["per_replay"]:5.1f}  {k["kernel"][:90]}')
+    if name.endswith("-r1") and r.get("gaps"):
+        g = r["gaps"]
+        print(name, "span", g["span_us_per_replay"], "us per replay; kernels", g["kernel_us_per_replay"])
+        for p in g["pairs"][:14]:
+            print(f'  {p["gap_us_per_replay"]:8.1f} {p["mean_gap_us"]:7.2f} {p["count_per_replay"]:5.1f}  {p["pair"]}')
+PY
+}

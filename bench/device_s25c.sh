@@ -7,22 +7,13 @@
 set -uo pipefail
 source bench/device_env.sh
 t0=$(date +%s)
-mkdir -p /tmp/s25c
-for rep in 1 2; do
-  for run in "a:--capture 4 --time 4" "b:--capture 4 --trivial 1 --time 4" "c:--capture 4 --trivial 1 --no-empty-cache --time 4" \
-             "d:--capture 4 --empty-after device --time 4" "e:--capture 4 --empty-after host --time 4" \
-             "f:--capture 4 --trivial-first --time 4" "g:--capture 1 4 16 --no-empty-cache --time 16" \
-             "h:--capture 1 4 16 --no-empty-cache --time 4"; do
-    name=${run%%:*}
-    python3 bench/graph_probe.py ${run#*:} --out "/tmp/s25c/$name-r$rep.json" 2>&1 | grep -v "Warning\|_warn_once" | tail -1
-  done
-done
-python3 - <<'PY'
-import glob, json, os
-runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob("/tmp/s25c/*.json"))}
-json.dump(runs, open(os.environ["OUT"] + "/probe3.json", "w"), indent=1)
-for name, r in runs.items():
-    print(name, r["capture"], f'trivial {r["trivial"]} first {r["trivial_first"]} no_empty {r["no_empty_cache"]} after {r["empty_after"]}',
-          "time", r["time"], r["graph_ms_median"])
-PY
+graph_probes probe3.json \
+  "a:--capture 4 --time 4" \
+  "b:--capture 4 --trivial 1 --time 4" \
+  "c:--capture 4 --trivial 1 --no-empty-cache --time 4" \
+  "d:--capture 4 --empty-after device --time 4" \
+  "e:--capture 4 --empty-after host --time 4" \
+  "f:--capture 4 --trivial-first --time 4" \
+  "g:--capture 1 4 16 --no-empty-cache --time 16" \
+  "h:--capture 1 4 16 --no-empty-cache --time 4"
 echo "done in $(( $(date +%s) - t0 )) s"

@@ -8,20 +8,12 @@
 set -uo pipefail
 source bench/device_env.sh
 t0=$(date +%s)
-mkdir -p /tmp/s25e
-for run in "a:- --capture 4 --trivial 1 --time 4" "b:1 --capture 4 --trivial 1 --time 4" \
-           "c:32 --capture 4 --trivial 1 --time 4" "d:- --capture 4 --trivial 1 --time 4 --replay-stream" \
-           "k:- --capture 4 --trivial-kept --time 4" "e:32 --capture 1 4 16 --time 16" "f:- --capture 1 4 16 --time 16 --replay-stream"; do
-  name=${run%%:*}; a=${run#*:}; conn=${a%% *}; a=${a#* }
-  if [ "$conn" = - ]; then env=(); else env=(CUDA_DEVICE_MAX_CONNECTIONS=$conn); fi
-  env "${env[@]}" python3 bench/graph_probe.py $a --out "/tmp/s25e/$name.json" 2>&1 | grep -v "Warning\|_warn_once" | tail -1 | cut -c1-80
-  [ $(( $(date +%s) - t0 )) -gt 100 ] && break
-done
-python3 - <<'PY'
-import glob, json, os
-runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob("/tmp/s25e/*.json"))}
-json.dump(runs, open(os.environ["OUT"] + "/probe5.json", "w"), indent=1)
-for name, r in runs.items():
-    print(name, r["capture"], f'trivial {r["trivial"]} conn {r["max_connections"]} side {r["replay_stream"]} kept {r["trivial_kept"]}', "time", r["time"], r["graph_ms_median"])
-PY
+REPS=1 graph_probes probe5.json \
+  "a:--capture 4 --trivial 1 --time 4" \
+  "b:CUDA_DEVICE_MAX_CONNECTIONS=1 --capture 4 --trivial 1 --time 4" \
+  "c:CUDA_DEVICE_MAX_CONNECTIONS=32 --capture 4 --trivial 1 --time 4" \
+  "d:--capture 4 --trivial 1 --time 4 --replay-stream" \
+  "k:--capture 4 --trivial-kept --time 4" \
+  "e:CUDA_DEVICE_MAX_CONNECTIONS=32 --capture 1 4 16 --time 16" \
+  "f:--capture 1 4 16 --time 16 --replay-stream"
 echo "done in $(( $(date +%s) - t0 )) s"

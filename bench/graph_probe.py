@@ -38,6 +38,9 @@ def graph_of(bench: Bench, batch: int, width: int):
     return bench.step.graphs[(batch, width, bench.step._bucket(bench.step.ctx_buckets, p.ctx_len))][0]
 
 
+ENV_KNOBS = ("SPECSPLIT_PDL", "CUDA_MODULE_LOADING", "CUDA_DEVICE_MAX_CONNECTIONS")
+
+
 def gaps(prof, replays: int) -> dict:
     """From the profile's kernel timeline: span per replay, summed kernel time per replay, and the mean
     gap (next start - previous end; negative: overlap) between each pair of consecutive kernels."""
@@ -135,7 +138,7 @@ def main() -> int:
               "trivial_first": args.trivial_first, "no_empty_cache": args.no_empty_cache,
               "empty_after": args.empty_after, "replay_stream": args.replay_stream,
               "trivial_kept": args.trivial_kept,
-              "max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+              "env": {k: os.environ[k] for k in ENV_KNOBS if k in os.environ},
               "graph_ms": [round(x, 4) for x in ms],
               "graph_ms_median": round(statistics.median(ms), 4)}  # fmt: skip
     print(json.dumps(result), flush=True)
