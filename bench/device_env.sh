@@ -87,3 +87,11 @@ for name, r in runs.items():
             print(f'  {p["gap_us_per_replay"]:8.1f} {p["mean_gap_us"]:7.2f} {p["count_per_replay"]:5.1f}  {p["pair"]}')
 PY
 }
+
+# bench/device_s11.sh (the colocated serving bench) for $1 = NAME and $2 = BATCHES, $3 = MODES (default
+# plain) and $4 = EXTRA (default: fixed and adaptive with the draft in the target); its table printed
+# without the per-request lines.
+serve_bench() {
+  NAME=$1 BATCHES=$2 MODES=${3:-plain} EXTRA=${4:---local-modes fixed adaptive} bash bench/device_s11.sh 2>&1 \
+    | grep -v "^  \|^target-\|^divergence" | tail -30
+}

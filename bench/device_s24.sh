@@ -9,8 +9,7 @@
 set -uo pipefail
 source bench/device_env.sh
 t0=$(date +%s)
-NAME=s24 BATCHES="1 16 64" MODES=plain EXTRA="--local-modes fixed adaptive" bash bench/device_s11.sh 2>&1 \
-  | grep -v "^  \|^target-\|^divergence" | tail -16
+serve_bench s24 "1 16 64"
 echo "serving done at $(( $(date +%s) - t0 )) s"
 NO_TESTS=1 CFGS="new=." CONTEXTS="100 400" BUDGET=${BUDGET:-500} bash bench/device_s22.sh 2>&1 | grep -v "^ctx.*: {"
 PYTHONPATH=/tmp/site:$PWD python3 bench/profile_step.py --preset draft2 --batch 1 16 --width 1 --steps 30 \

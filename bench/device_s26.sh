@@ -9,8 +9,7 @@
 set -uo pipefail
 source bench/device_env.sh
 t0=$(date +%s)
-NAME=s26 BATCHES="64 16 1" MODES=plain EXTRA="--local-modes fixed adaptive" bash bench/device_s11.sh 2>&1 \
-  | grep -v "^  \|^target-\|^divergence" | tail -16
+serve_bench s26 "64 16 1"
 echo "serving done at $(( $(date +%s) - t0 )) s"
 mkdir -p /tmp/s26
 for rep in 1 2; do
