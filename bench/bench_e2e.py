@@ -53,6 +53,19 @@ PRESETS = {
         intermediate_size=8960,
         draft_layers=2,
     ),
+    # Qwen2.5-7B shapes: 7.6B parameters, the model that needs TP (issue 11's TP=2 <= 0.7 x TP=1).
+    # Written in bf16: 15 GB instead of 30, each target loads it in its own dtype.
+    "qwen7b": dict(
+        vocab_size=152064,
+        hidden_size=3584,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        intermediate_size=18944,
+        draft_layers=2,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    ),
     "tiny": dict(
         vocab_size=512,
         hidden_size=128,
@@ -65,7 +78,7 @@ PRESETS = {
 }
 # Damping of the target's layers past the draft's. At 0.02 the 1.5B pair agrees on 88% of greedy next tokens
 # (teacher-forced, measured on CPU): about what a good trained draft reaches on real text.
-LATE_LAYER_SCALE = {"qwen1.5b": 0.02, "tiny": 0.1}
+LATE_LAYER_SCALE = {"qwen1.5b": 0.02, "qwen7b": 0.02, "tiny": 0.1}
 
 
 def make_models(root: Path, preset: str, markov_rank: int = 0) -> tuple[Path, Path]:
@@ -313,17 +326,17 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
     )
     draft.wait_ready(900)
 
-    def start_target(name: str, extra: list[str]):
+    def start_target(name: str, extra: list[str], tp_size: int = args.target_tp_size, env=target_env):
         extra = [*extra, "--log-level", getattr(args, "target_log_level", "INFO"),
                  *getattr(args, "target_args", "").split()]  # fmt: skip
         if getattr(args, "step_traces", False):
             extra += ["--step-trace", str(logs / f"target-{name}-{dtype}-steps.jsonl")]
         return start_service(
             "target_service",
-            ["--model", str(target_dir), *common, "--tp-size", str(args.target_tp_size),
+            ["--model", str(target_dir), *common, "--tp-size", str(tp_size),
              "--num-speculative-tokens", str(args.k), "--max-batch-size", max_batch, *extra],
             logs / f"target-{name}-{dtype}.log",
-            env=target_env,
+            env=env,
         )  # fmt: skip
 
     targets = {}
@@ -332,6 +345,9 @@ def start_stack(args, dtype: str, target_dir: Path, draft_dir: Path, logs: Path)
         mode = base_mode(name)
         extra = [] if mode == "plain" else ["--draft-address", draft.address, "--speculation-policy", mode]
         targets[name] = start_target(name, extra + (variant if name != mode else []))
+    for tp in getattr(args, "plain_tp", []):  # plain targets at other TP sizes, interleaved with the rest
+        env = gpu_split(args.device, args.draft_tp_size, tp, "colocated")[1]
+        targets[f"plain@tp{tp}"] = start_target(f"plain@tp{tp}", [], tp_size=tp, env=env)
     local_drafts = {}
     for mode in getattr(args, "local_modes", []):  # the draft inside the target: --draft-local
         policy, _, nochain = mode.partition("-")
@@ -460,6 +476,9 @@ def main() -> int:
     ap.add_argument("--placement", default="auto", choices=["auto", "colocated", "split"],
                     help="split: each service on its own GPUs; auto: split if enough")  # fmt: skip
     ap.add_argument("--draft-tp-size", type=int, default=1)
+    ap.add_argument("--plain-tp", nargs="*", type=int, default=[], metavar="N",
+                    help="also run a plain target at target TP=N (on the first N GPUs), interleaved with "
+                         "the others: its TPOT against the plain target's, repeat by repeat")  # fmt: skip
     ap.add_argument("--target-tp-size", type=int, default=1)
     ap.add_argument(
         "--draft-args", default="", help="extra draft flags, e.g. '--no-use-local-argmax-reduction'"
@@ -558,6 +577,14 @@ def main() -> int:
                   f"{m['round_trip_ms']:.2f} ms, draft round {m['draft_round_ms']:.2f} ms, host "
                   f"{m['step_host_ms']:.2f} ms, GPU gap {m['step_gpu_gap_ms']:.2f} ms, mean k "
                   f"{m['mean_k']:.2f}{eff}")  # fmt: skip
+        for mode in (m for m in r if m.startswith("plain@tp")):
+            t, base = r[mode]["tpot_ms"], r["plain"]["tpot_ms"]
+            each = ", ".join(f"{a / b:.2f}" for a, b in zip(t["runs"], base["runs"]))
+            tps = r[mode]["tokens_per_s"]
+            print(f"{mode}, {r['dtype']} B={r['batch']}: TPOT {t['median']:.2f} "
+                  f"[{t['min']:.2f}-{t['max']:.2f}] ms against TP={args.target_tp_size}'s "
+                  f"{base['median']:.2f}, ratio each repeat {each}; "
+                  f"{tps['median']:.0f} [{tps['min']:.0f}-{tps['max']:.0f}] tok/s")  # fmt: skip
         for mode in (m for m in r if m.endswith("+v")):
             t, base = r[mode]["tokens_per_s"], r[base_mode(mode)]["tokens_per_s"]["runs"]
             each = ", ".join(f"{a / b:.2f}" for a, b in zip(t["runs"], base))

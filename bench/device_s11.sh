@@ -8,12 +8,13 @@
 #   DRAFT_ARGS="--no-draft-ahead" NAME=noahead bash bench/device_s11.sh   (extra draft flags)
 #   MODES="plain adaptive" NAME=gate bash bench/device_s11.sh            (some of the modes)
 #   K0=" " MODES="plain fixed adaptive" ...                                  (also k = 0 on the fixed target)
+#   PLACEMENT=split ...                   (nvidia-h200-x2: the draft on GPU 0, the target on GPU 1)
 set -euo pipefail
 NAME=${NAME:-s11}
 source bench/device_env.sh
 read -ra batches <<< "${BATCHES:-1 4 16 64}"
 python3 bench/bench_e2e.py --preset qwen1.5b --device cuda --dtypes bfloat16 --repeats 3 --models /tmp/models \
-  --placement colocated --modes ${MODES:-plain fixed adaptive} --target-log-level DEBUG --logs /tmp/e2e-logs-$NAME \
+  --placement ${PLACEMENT:-colocated} --modes ${MODES:-plain fixed adaptive} --target-log-level DEBUG --logs /tmp/e2e-logs-$NAME \
   --new-tokens 384 --batches "${batches[@]}" --probe-divergences 2 ${K0:---no-k0} --step-traces "--draft-args=${DRAFT_ARGS:-}" ${EXTRA:-} \
   --out "$OUT/e2e-$NAME.json" | tee "$OUT/e2e-$NAME.txt" | grep -v '^{'
 for b in "${batches[@]}"; do
