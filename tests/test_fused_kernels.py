@@ -123,13 +123,30 @@ def test_rotary_attention_matches_reference(dtype, head_dim, splits, prefix):
     assert torch.equal(kc[untouched], kc2[untouched])
 
 
+def host_dot_is_row_invariant() -> bool:
+    """Whether this host's float32 matmul, the Triton interpreter's tl.dot, gives a row the same bits
+    wherever it sits in a block. On a GPU every row of an MMA sums in one order; OpenBLAS on an AVX2 CPU
+    (AMD EPYC, its Haswell kernels) does not: a query one row further down an attention block came out
+    one ulp apart there (twenty-sixth session's dev machine; the earlier ones had AVX-512)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for k, n in ((32, 64), (64, 32)):  # the attention's q @ k^T and p @ v at head_dim 32, 64 keys a block
+        x, w = rng.standard_normal((16, k), dtype=np.float32), rng.standard_normal((k, n), dtype=np.float32)
+        if not np.array_equal(np.roll(x, 5, axis=0) @ w, np.roll(x @ w, 5, axis=0)):
+            return False
+    return True
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_attention_caches_the_keys_it_attended_to(dtype):
     """Each program writes the step's keys it reads to the cache and reads them back from there, so a
     query attends to the same bits in the verify step that computes it as in a later step that reads
-    them back (and a plain step's). Step A: 5 tokens at positions 10-14; step B: 5 tokens at 14-18, its
-    first token A's last. That token's output is bit for bit the same in both (same shapes, so the same
-    dot rounding even on the CPU interpreter), and so is every cache entry A wrote."""
+    them back, and as a plain step does. Step A: 5 tokens at positions 10-14; step B: 5 tokens at 14-18,
+    its first token A's last; step C: a plain step of that token alone. B's first output equals C's bit
+    for bit (both the first row of their block) and so does every cache entry A wrote; A's last output
+    (its block's fifth and tenth rows: GQA group 2) equals them where the dot rounds a row the same at
+    every row of a block (a GPU; not every CPU's BLAS under the Triton interpreter)."""
     g = torch.Generator().manual_seed(12)
     heads, kv_heads, head_dim, max_len = 4, 2, 32, 64
     kc, vc = (torch.randn(1, max_len, kv_heads, head_dim, generator=g).to(dtype).to(DEVICE) for _ in "kv")
@@ -137,18 +154,22 @@ def test_rotary_attention_caches_the_keys_it_attended_to(dtype):
     cos, sin = RotaryEmbedding(head_dim, 10000.0, None, device=DEVICE).table(max_len)
     slots = torch.tensor([0], device=DEVICE)
 
-    def step(first):
-        q, k, v = qkv[:, first : first + 5].split((heads, kv_heads, kv_heads), dim=2)
-        positions = torch.arange(10 + first, 15 + first, device=DEVICE)[None]
+    def step(first, width=5):
+        q, k, v = qkv[:, first : first + width].split((heads, kv_heads, kv_heads), dim=2)
+        positions = torch.arange(10 + first, 10 + first + width, device=DEVICE)[None]
         return fused.rotary_attention(q, k, v, cos, sin, positions, slots, kc, vc, max_len, head_dim**-0.5)
 
     a = step(0)
-    written = kc[0, 10:15].clone()
+    written, cache_after_a = kc[0, 10:15].clone(), (kc.clone(), vc.clone())
+    c = step(4, width=1)
+    kc.copy_(cache_after_a[0]), vc.copy_(cache_after_a[1])
     b = step(4)
-    assert torch.equal(b[0, 0], a[0, 4])
+    assert torch.equal(b[0, 0], c[0, 0])  # the verify's re-read of A's keys == a plain step's
     assert torch.equal(kc[0, 10:14], written[:4])  # B rewrote position 14 only, with the same bits
     assert torch.equal(kc[0, 14], written[4])
     assert not torch.equal(b[0, 1], a[0, 4])  # power: another token's output differs
+    if DEVICE == "cuda" or host_dot_is_row_invariant():
+        assert torch.equal(b[0, 0], a[0, 4])
 
 
 @pytest.mark.parametrize(
