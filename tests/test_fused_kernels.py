@@ -126,7 +126,7 @@ def test_rotary_attention_matches_reference(dtype, head_dim, splits, prefix):
 def host_dot_is_row_invariant() -> bool:
     """Whether this host's float32 matmul, the Triton interpreter's tl.dot, gives a row the same bits
     wherever it sits in a block. On a GPU every row of an MMA sums in one order; OpenBLAS on an AVX2 CPU
-    (AMD EPYC, its Haswell kernels) does not: a query one row further down an attention block came out
+    (AMD EPYC, its Haswell kernels) does not: one query at rows 5 and 9 of an attention block came out
     one ulp apart there (twenty-sixth session's dev machine; the earlier ones had AVX-512)."""
     import numpy as np
 
