@@ -10,8 +10,7 @@ set -uo pipefail
 source bench/device_env.sh
 t0=$(date +%s)
 since() { echo "$1 at $(( $(date +%s) - t0 )) s"; }
-e2e=(python3 bench/bench_e2e.py --device cuda --dtypes bfloat16 --repeats 3 --models /tmp/models --new-tokens 384
-  --probe-divergences 2)
+e2e=(python3 bench/bench_e2e.py --device cuda --dtypes bfloat16 --repeats 3 --models /tmp/models --new-tokens 384)
 
 # plain TPOT of a target at TP=2 against one at TP=1, interleaved (both plain, no draft asked; the draft
 # service idles beside them), B = 1 and 16, for preset $1.
