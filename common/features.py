@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+# The Speculate protocol version whose starts and verdicts carry features (protos/specsplit/v1/draft.proto).
+FEATURE_PROTOCOL = 2
 WIRE_DTYPE = torch.bfloat16  # features cross the wire in bf16 whatever the models' dtype
 
 
@@ -54,3 +56,14 @@ def from_wire(data: bytes, size: int, field: str) -> Tensor:
         raise ValueError(f"{field}: {len(data)} bytes is not a whole number of bf16 rows of {size} features")
     flat = torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(WIRE_DTYPE)
     return flat.view(-1, size)
+
+
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    """ "2,15,27" -> (2, 15, 27); "" -> (); a ValueError naming `flag` otherwise."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of layer indices") from None
+    if any(v < 0 for v in values):
+        raise ValueError(f"{flag}: {text!r}: layer indices are >= 0")
+    return values
