@@ -77,7 +77,8 @@ class RoundOutput:
 class DraftRunner:
     """The model shard and KV cache of one rank; `draft_round` runs on all ranks."""
 
-    def __init__(self, comm: Comm, config: DraftConfig):
+    def __init__(self, comm: Comm, config: DraftConfig, target_features=None):
+        """target_features: in the target's process, the target's FeatureStore (a feature draft reads it)."""
         self.config = config
         self.device, self.model = load_service_model(
             config,
@@ -110,7 +111,7 @@ class DraftRunner:
             from draft_service.feature_rounds import FeatureRounds
 
             self.rounds: GreedyRounds = FeatureRounds(
-                self, config.max_batch_size, max_rows, config.cuda_graphs
+                self, config.max_batch_size, max_rows, config.cuda_graphs, target_features
             )
             # The default k after any verdict (1..k + 1 tokens); other ks are captured when first asked.
             ks, widths = (

@@ -163,14 +163,18 @@ class DraftStream:
                 continue
             if state.reads_features:
                 req = reqs[s.request_id]
-                req.target_slot = s.target_slot if s.HasField("target_slot") else -1
-                state.add_features(req, 0, self._features(req, 0, len(s.token_ids) - 1, s.features, "starts"))
+                if s.HasField("target_slot") and draft.target_features is not None:
+                    req.target_slot = s.target_slot
+                    state.map_features(req, s.target_slot)  # read where the target wrote them
+                else:
+                    rows = self._features(req, 0, len(s.token_ids) - 1, s.features, "starts")
+                    state.add_features(req, 0, rows)
         for v in msg.verdicts:
             if v.request_id not in reqs:
                 unknown.append(v.request_id)
                 continue
             req = reqs[v.request_id]
-            if state.reads_features:
+            if state.reads_features and req.target_slot < 0:
                 first = max(v.start - 1, 0)
                 rows = self._features(req, first, v.start + len(v.token_ids) - 1, v.features, "verdicts")
                 state.add_features(req, first, rows)
@@ -208,11 +212,7 @@ class DraftStream:
         return response, (targets, proposals) if targets else None
 
     def _features(self, req: DraftRequest, first: int, end: int, data: bytes, field: str):
-        """The target's features of positions first..end - 1 for `req`: copied on the device from the
-        target's store (in its process) or read from the message's bytes (bf16 rows)."""
-        store = self.draft.target_features
-        if req.target_slot >= 0 and store is not None:
-            return store.data[req.target_slot, first:end]
+        """The target's features of positions first..end - 1 for `req`, from the message's bf16 bytes."""
         size = self.draft.state.runner.model.config.feature_size
         try:
             rows = from_wire(data, size, f"{field}.features")
