@@ -100,7 +100,7 @@ class DraftStream:
     def _ahead_for(self, target_gpus: Iterable[str]) -> bool:
         """Whether to draft ahead for a target that runs on `target_gpus`: not where one of them is the
         draft's own (unless --draft-ahead-shared-gpu), since there the round overlaps nothing and only
-        delays the target's verify (one H200, B=1: verify 2.72 ms instead of 2.17, 1.24x plain, not 1.29x)."""
+        delays the target's verify (B=1: verify 2.72 ms instead of 2.17, 1.24x plain, not 1.29x)."""
         config = self.draft.config
         if not config.draft_ahead:
             return False

@@ -210,8 +210,8 @@ class DraftSession:
         chained = link.take_chained(self.epoch) if self.draft_in_process else None
         ks = {}
         want = []
-        # A plain step (k = 0) asks for nothing unless a request pins its k: no per-request pass then. At
-        # B=64 on one H200 the adaptive target's plain steps ran ~4 % slower than a target without a draft.
+        # A plain step (k = 0) asks for nothing unless a request pins its k: no per-request pass then (at
+        # B=64 that pass made the adaptive target's plain steps ~4 % slower than a target without a draft).
         for r in batch if k > 0 or any(r.pinned_k for r in batch) else ():
             # A seeded sampled request keeps its own k: its output then depends on its seed alone, not
             # on the batch it shares (the policy's k does; greedy output never depends on k).

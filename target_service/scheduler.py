@@ -40,10 +40,8 @@ LOG_EVERY = 64  # steps between the DEBUG phase and policy lines
 BRANCH_SETTLE = 2  # speculative steps after plain ones that the branch gate does not count
 # Steps that start or finish requests are neither mode's rate in the gates' windows: finishing requests
 # and first tokens cost host work (last messages, streams closed, first messages) in whatever mode, and
-# after a burst (a quarter of the batch or more) the next BURST_SETTLE steps still carry it. One H200,
-# B=64 (thirteenth session): plain steps ran 3.0-5.7 ms while requests put out of step finished (2.7 ms
-# otherwise), the gate read those windows at 13.5-16 k tok/s against 23-24 k, switched speculation on,
-# and the next run started speculating, which put its requests out of step again.
+# after a burst (a quarter of the batch or more) the next BURST_SETTLE steps still carry it: counted, such
+# slow plain windows switch speculation on, which puts the requests out of step again.
 BURST_SETTLE = 2
 
 log = logging.getLogger("specsplit.target")
@@ -407,9 +405,8 @@ class Scheduler:
         if result.gpu_seconds:
             # Host time: the step's wall time with the thread blocked on neither the draft nor the GPU.
             # The GPU wait beyond the step's own GPU time is queueing, apart: a draft on the same GPU can
-            # delay the target's kernels with its own (a branch round during the verify). Both were one
-            # figure before (one H200, B=1: 1.2-1.35 ms per speculative step with the draft on the same
-            # GPU, 0.44 ms with it on its own).
+            # delay the target's kernels with its own (a branch round during the verify: at B=1 1.2-1.35 ms
+            # per speculative step with the draft on the same GPU, 0.44 ms with it on its own).
             self.metrics.step_gpu.observe(result.gpu_seconds)
             self.metrics.step_host.observe(max(0.0, (t4 - t0) - (t2 - t1) - result.wait_seconds))
             self.metrics.step_gpu_queue.observe(max(0.0, result.wait_seconds - result.gpu_seconds))
@@ -439,16 +436,10 @@ class Scheduler:
         before it (the draft's work after its last answer may still share the target's GPUs); a
         speculative one is a steady sample when no draft prefill (a start, or a catch-up after plain
         steps) hid in its wait. Neither is a sample when it started or finished requests (`_churned`):
-        their first and last messages cost host time whatever k the step ran. One H200, B=64: the steps
-        of a run's tail, finishing 1-7 requests each, took 7-9 ms against 6 ms steady, all at the k of
-        the moment; its median then rated that k worst, and the next run started at another (the
-        adaptive target ran long stretches of k = 3, 1.21-1.34x plain where fixed k = 4 ran 1.35-1.46x).
-        Nor is the verify of a step that started requests a verify sample: their prefills (the target's, and
-        the draft's where it runs in this process) are queued on the GPU ahead of it. One H200, B=1, the
-        draft in the target: a run's first step timed width 5 at 107 ms; beside the start-up timing (a
-        median of two is their mean) it priced k = 4 at 55 ms, so the policy never chose k = 4 again to
-        replace it and ran k = 2.6 at 1.53-1.73x plain where fixed k = 4 ran 1.94-1.95x (twenty-third
-        session)."""
+        their first and last messages cost host time whatever k the step ran, and a tail's slow steps
+        would rate the k of the moment worst. Nor is the verify of a step that started requests a verify
+        sample: their prefills (the target's, and the draft's where it runs in this process) are queued on
+        the GPU ahead of it, and one such sample can price a k out of the policy's choices for good."""
         session = self.session
         if not started:
             self.costs.observe_verify(batch, width, verify)

@@ -1,7 +1,6 @@
 """GPU-only: the fused forward (Triton kernels, merged projections) against the CPU reference path, and
 NCCL tensor parallelism (TP=2 equals TP=1; local argmax inside a CUDA-graph replay equals the full
-argmax). Skipped without CUDA; the TP test needs two GPUs (run on nvidia-h200-x2, see
-docs/benchmarks.md, "Model speed and TP (issue 11)")."""
+argmax). Skipped without CUDA; the TP test needs two GPUs."""
 
 from __future__ import annotations
 

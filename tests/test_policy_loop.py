@@ -1,8 +1,8 @@
 """The adaptive policy inside the real serving loop (Scheduler, DraftSession, streamer, event loop), with
 the GPU step and the draft round trip simulated by sleeps (bench/host_path.py's SimulatedRunner and
 SimulatedDraft): it must stop speculating where speculation loses and keep speculating where it wins.
-The simulated costs are the ones measured on the H200 pair (docs/benchmarks.md, TP=2 mode 1: a 2.63 ms
-plain step, +0.1 ms per verify position, a 3.1 ms draft round trip)."""
+The simulated costs are ones measured on two GPUs with both services at TP=2: a 2.63 ms plain step,
++0.1 ms per verify position, a 3.1 ms draft round trip."""
 
 from __future__ import annotations
 
