@@ -50,6 +50,9 @@ def local_draft_config(target: TargetConfig) -> DraftConfig:
 
 
 class LocalDraft(StreamLink):
+    """The draft service's stream logic on a thread of this process: a StreamLink and an InProcessDraft
+    (target_service/draft_link.py), the target's one module that imports draft_service."""
+
     in_process = True  # the scheduler streams no tokens while it waits for this draft's round
 
     def __init__(

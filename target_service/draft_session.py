@@ -29,9 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.metrics import ServiceMetrics
-from draft_service.runner import ChainedRound
 from specsplit.v1 import draft_pb2
-from target_service.draft_link import DraftLink
+from target_service.draft_link import ChainedRound, DraftLink
 from target_service.request import Request
 
 log = logging.getLogger("specsplit.target")
@@ -105,7 +104,7 @@ class Ask:
 class DraftSession:
     def __init__(self, link: DraftLink | None, metrics: ServiceMetrics, timeout: float):
         self.link = link
-        # The draft runs in this process (target_service/draft_local.py) and shares its GIL.
+        # The draft runs in this process (an InProcessDraft: draft_local.py) and shares its GIL.
         self.draft_in_process = bool(getattr(link, "in_process", False))
         self.metrics = metrics
         self.timeout = timeout
@@ -129,7 +128,7 @@ class DraftSession:
 
     def chain(self, batch: list[Request], drafts: list[list[int]], packed, width: int) -> None:
         """With the draft in this process: its next round for the greedy requests that verified drafts,
-        launched from the verify output `packed` on the device (LocalDraft.chain)."""
+        launched from the verify output `packed` on the device (InProcessDraft.chain)."""
         rows = [(i, req.draft.draft_id, d) for i, (req, d) in enumerate(zip(batch, drafts))
                 if d and req.temperature <= 0]  # fmt: skip
         if rows and self.link is not None and self.link.epoch == self.epoch:
@@ -226,7 +225,7 @@ class DraftSession:
         msg = self._message(want, ks)
         if chained is not None and (msg.starts or any(rid not in chained.index for rid in ks)):
             chained = None
-        # An ask the chained round answers is held back on the draft's side (LocalDraft.send).
+        # An ask the chained round answers is held back on the draft's side (InProcessDraft.send).
         sent = link.send(msg, self.epoch, hold=True) if chained is not None else link.send(msg, self.epoch)
         if sent:
             longest = max(ks.values()) + 1
