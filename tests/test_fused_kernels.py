@@ -315,7 +315,7 @@ def test_whole_model_kernel_path_matches_reference_path(tmp_path, monkeypatch, a
     from common.kv_cache import KVCache
     from common.loader import load_model
     from common.models.generate import forward_rows
-    from common.tiny import make_tiny_model
+    from tests.tiny import make_tiny_model
 
     path = make_tiny_model(
         tmp_path / "m", seed=2, num_layers=2, architecture=architecture, num_kv_heads=num_kv_heads
@@ -347,7 +347,7 @@ def test_whole_model_branch_row_matches_fresh_forward(tmp_path, monkeypatch, ker
     from common.kv_cache import KVCache
     from common.loader import load_model
     from common.models.generate import forward_rows
-    from common.tiny import make_tiny_model
+    from tests.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", seed=3, num_layers=2, architecture="Qwen2ForCausalLM")
     model = load_model(path, Comm(), device=DEVICE)

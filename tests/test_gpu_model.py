@@ -16,8 +16,8 @@ from common.distributed import Comm, init_tp
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.generate import forward_rows, greedy_generate
-from common.tiny import make_tiny_model
 from common.tp_executor import NO_MULTICAST_ENV
+from tests.tiny import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
