@@ -153,9 +153,8 @@ def test_step_host_time_leaves_out_the_wait_for_a_busy_gpu():
 def test_a_failing_policy_or_gate_costs_speculation_not_requests(monkeypatch, caplog):
     """The policy, the gates and the step's accounting only choose k and learn costs: when they raise,
     the step goes on (k = 0 for that ask) and every request still gets all its tokens (`run` raises
-    when some never come). Before, a gate bug failed all running requests of the step, its verified
-    tokens lost. (The simulated runner accepts made-up drafts, so its text is no reference: the
-    services' lossless tests compare outputs.)"""
+    when some never come), its verified tokens not lost to a bug there. (The simulated runner accepts
+    made-up drafts, so its text is no reference: the services' lossless tests compare outputs.)"""
     from target_service.policy import SpeculationPolicy
 
     calls = {"choose": 0, "observe": 0}

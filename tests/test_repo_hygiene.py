@@ -1,6 +1,6 @@
-"""The tracked files describe the product as it is: no development-history phrases ("the Nth session",
-"this session") in code, tests, docs or scripts. History lives in git. "session" stays where it names a
-real thing (DraftSession, draft_session, a pytest fixture's scope="session")."""
+"""The tracked files describe the product as it is: no development-history phrases (an ordinal, or
+this / last / next, before the word session) in code, tests, docs or scripts. History lives in git.
+"session" stays where it names a real thing (DraftSession, draft_session, scope="session" of pytest)."""
 
 from __future__ import annotations
 
