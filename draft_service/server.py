@@ -82,4 +82,6 @@ class DraftServicer(SharedDraft, draft_pb2_grpc.DraftServiceServicer):
             draft_ahead_misses=self.state.ahead_misses,
             max_batch_size=self.config.max_batch_size,
             free_slots=self.state.slots.num_free,
+            feature_layers=list(self.state.runner.feature_layers or ()),
+            feature_size=self.state.runner.model.config.feature_size,
         )

@@ -58,7 +58,7 @@ class Scheduler:
         self.metrics = metrics
         self.link = link
         self.eos_ids = eos_ids
-        self.session = DraftSession(link, metrics, config.draft_timeout)
+        self.session = DraftSession(link, metrics, config.draft_timeout, runner.model.feature_store)
         self.accounting = StepAccounting(
             config, runner.batch_buckets, runner.step_costs, self.session, metrics
         )
