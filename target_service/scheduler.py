@@ -59,14 +59,11 @@ class Scheduler:
         self.link = link
         self.eos_ids = eos_ids
         self.session = DraftSession(link, metrics, config.draft_timeout, runner.model.feature_store)
-        self.accounting = StepAccounting(
+        # The accounting feeds the policy's costs and gates after each step; the plan (_ask) reads the policy.
+        acc = self.accounting = StepAccounting(
             config, runner.batch_buckets, runner.step_costs, self.session, metrics
         )
-        self.policy, self.costs, self.trace = (
-            self.accounting.policy,
-            self.accounting.costs,
-            self.accounting.trace,
-        )
+        self.policy, self.costs, self.trace = acc.policy, acc.costs, acc.trace
         self.policy_errors = 0  # exceptions the policy, gates or accounting raised (_safely)
         self.slots = SlotTable(config.max_batch_size)
         self.waiting: collections.deque[Request] = collections.deque()
