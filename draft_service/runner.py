@@ -122,7 +122,8 @@ class DraftRunner:
             ks, widths = list(range(1, config.num_speculative_tokens + 2)), (1, 2)
         # Sampled drafting never replays a greedy round: it only needs the eager warm-up round.
         self.graphs = self.rounds.warm_up(ks, widths, capture_graphs=config.draft_sampling == "greedy")
-        warm_eager_shapes(self.model, self.cache, config.max_batch_size)  # catch-ups and starts
+        # catch-ups and starts
+        warm_eager_shapes(self.model, self.cache, config.max_batch_size, self.rounds.eager_forward)
 
     def pick_greedy(
         self, hidden: torch.Tensor, prev: torch.Tensor
@@ -266,6 +267,10 @@ class GreedyRounds:
         self.catch_up = StaticStep(self._catch_up_forward, max_batch, runner.max_len, self.scratch_slot,
                                    self.device, self.use_graphs, copy_output=False)  # fmt: skip
 
+    def eager_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: int):
+        """The forward a catch-up runs (warmed for every eager shape at start-up)."""
+        return self._catch_up_forward(ids, pos, slots, ctx)
+
     def _catch_up_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: int):
         """ids/pos [B, W], slots [B]: writes the KV of the tokens (the hidden states are not needed)."""
         return self.runner.model(ids, pos, slots, self.runner.cache, ctx)
@@ -341,7 +346,7 @@ class GreedyRounds:
             batch = pack([e[0] for e in early], [e[1] for e in early], [e[2] for e in early], self.device,
                          r.max_len)  # fmt: skip
             with eager_shapes():
-                r.model(batch.input_ids, batch.positions, batch.slots, r.cache, batch.ctx_len)
+                self._catch_up_forward(batch.input_ids, batch.positions, batch.slots, batch.ctx_len)
             return
         # Every chunk's inputs in one host array and one copy: built per chunk from Python lists they
         # cost more host time than the chunks' GPU time (B=64, 241 tokens: 13.8 ms for 7.0 ms of kernels).
