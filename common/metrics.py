@@ -34,14 +34,14 @@ REQUEST_BUCKETS = (
 )  # fmt: skip
 
 GRPC_DIRECTIONS = ("sent", "received")
-# Labels a scrape attaches to every series (Prometheus: job, instance; a Prometheus Operator
-# ServiceMonitor/PodMonitor: namespace, service, pod, container, endpoint). No exported label may
-# use one of these names.
 # gRPC status codes (lower-case names) that are the service's failure, not the client's: the error-ratio
 # rule counts these. Their children exist from start-up, so rate() sees a first error.
 SERVER_ERROR_CODES = (
     "internal", "unavailable", "resource_exhausted", "deadline_exceeded", "unknown", "data_loss", "aborted",
 )  # fmt: skip
+# Labels a scrape attaches to every series (Prometheus: job, instance; a Prometheus Operator
+# ServiceMonitor/PodMonitor: namespace, service, pod, container, endpoint). No exported label may
+# use one of these names.
 RESERVED_LABELS = ("job", "instance", "namespace", "service", "pod", "container", "endpoint")
 
 CommStats = Callable[[], dict[tuple[str, str], tuple[int, int]]]
