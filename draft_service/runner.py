@@ -34,9 +34,8 @@ log = logging.getLogger("specsplit.draft")
 
 # The widths a catch-up runs at from CUDA graphs (its tokens padded up to one; longer ones take several
 # replays of the widest). A catch-up is the first round after the target's plain steps (every token
-# since) or a new request's prompt. Eagerly it cost 2-20 ms on one H200 (bench/draft_round.py
-# --catch-up: host-bound launches, and 8-15 ms more the first time a shape came up), which the target
-# waits for whole each time its policy turns speculation back on.
+# since) or a new request's prompt. Eagerly it costs 2-20 ms of host-bound launches (8-15 ms more the first
+# time a shape comes up), which the target waits for whole each time its policy turns speculation back on.
 CATCH_UP_WIDTHS = (4, 16, 64)
 # Past this many tokens (a long prompt) one eager forward beats the replays.
 EAGER_CATCH_UP = 512

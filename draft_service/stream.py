@@ -1,5 +1,6 @@
 """One target's stream of SpeculateRequests, whatever carries it: a gRPC Speculate call
-(server.DraftServicer.Speculate) or a target in the same process (target_service/draft_local.py).
+(server.DraftServicer.Speculate) or a target in the same process (target_service/draft_local.py). What
+every stream shares is a `SharedDraft`; the gRPC front (server.DraftServicer) is one.
 
 Per message: releases, starts and verdicts are applied, then one round drafts for the requests the target
 asked about, and the answer goes back; then, where it pays, the next round is drafted ahead while the
@@ -10,18 +11,17 @@ naming the field; the gRPC front turns it into that status and ends the stream.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import grpc
 
 from common.features import FEATURE_PROTOCOL, from_wire
-from draft_service.state import DraftRequest, Proposal
+from common.metrics import ServiceMetrics
+from draft_service.config import DraftConfig
+from draft_service.state import DraftRequest, DraftState, Proposal
 from specsplit.v1 import draft_pb2
-
-if TYPE_CHECKING:
-    from draft_service.server import DraftServicer
 
 log = logging.getLogger("specsplit.draft")
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -35,8 +35,37 @@ class StreamError(Exception):
         self.code, self.details = code, details
 
 
+class SharedDraft:
+    """What every target stream shares: the model's state and its lock, config, metrics, the draft's
+    vocabulary and GPUs, and the open streams."""
+
+    def __init__(
+        self,
+        config: DraftConfig,
+        state: DraftState,
+        metrics: ServiceMetrics,
+        vocab_size: int,
+        gpus: Iterable[str] = (),
+    ):
+        """`gpus`: the UUIDs of the GPUs of the draft's TP group (common.tp_executor.tp_gpu_uuids)."""
+        self.config = config
+        self.state = state
+        self.metrics = metrics
+        self.vocab_size = vocab_size
+        self.gpus = frozenset(gpus)
+        self.engine_lock = threading.Lock()  # one model, many target streams
+        self.streams = 0
+        self.max_target_id = -1
+        # In the target's process (target_service/draft_local.py): its FeatureStore, read on the device.
+        self.target_features = None
+
+    def update_gauges(self) -> None:
+        self.metrics.kv_slots_used.set(self.state.slots.num_used)
+        self.metrics.running.set(self.state.slots.num_used)
+
+
 class DraftStream:
-    def __init__(self, draft: DraftServicer, peer: str):
+    def __init__(self, draft: SharedDraft, peer: str):
         """`draft` holds what every stream shares: the model's state, its lock, config and metrics."""
         self.draft = draft
         self.peer = peer
@@ -108,7 +137,7 @@ class DraftStream:
     def _ahead_for(self, target_gpus: Iterable[str]) -> bool:
         """Whether to draft ahead for a target that runs on `target_gpus`: not where one of them is the
         draft's own (unless --draft-ahead-shared-gpu), since there the round overlaps nothing and only
-        delays the target's verify (one H200, B=1: verify 2.72 ms instead of 2.17, 1.24x plain, not 1.29x)."""
+        delays the target's verify (B=1: verify 2.72 ms instead of 2.17, 1.24x plain, not 1.29x)."""
         config = self.draft.config
         if not config.draft_ahead:
             return False

@@ -1,7 +1,7 @@
 """The draft model in the target's own process (`--draft-local`): one GPU, no gRPC between the two.
 
-Two services on one GPU pay a gRPC round trip per speculative step on top of the draft's round (one H200,
-B=1: 2.31 ms from ask to answer for a 1.41 ms round; the rest is serialisation and thread hand-offs in both
+Two services on one GPU pay a gRPC round trip per speculative step on top of the draft's round (B=1: 2.31
+ms from ask to answer for a 1.41 ms round; the rest is serialisation and thread hand-offs in both
 processes), and their kernels take turns between two CUDA contexts. Here the draft service's own stream
 logic (draft_service/stream.py: the same protocol, state, graphs and metrics) runs on a thread of the
 target's process and takes the scheduler's messages from a queue, one hand-off each way. A draft on GPUs
@@ -62,6 +62,9 @@ def draft_feature_layers(model: str) -> str:
 
 
 class LocalDraft(StreamLink):
+    """The draft service's stream logic on a thread of this process: a StreamLink and an InProcessDraft
+    (target_service/draft_link.py), the target's one module that imports draft_service."""
+
     in_process = True  # the scheduler streams no tokens while it waits for this draft's round
 
     def __init__(

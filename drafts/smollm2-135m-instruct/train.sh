@@ -11,7 +11,7 @@
 #      on the GPU: 358 s at ~28 steps/s, evaluated on the 24 held-out prompts at k = 2, 4, 6 (its
 #      eval.json; held-out α logged every EVAL_EVERY steps);
 #   3. (TWIN=1) the same without a head (S4m0lr4s10k: the head's value), then (SWEEP=1) the same at lr
-#      3e-3 (S4m32lr3s10k; on the ninth session's data lr 3e-3 was within 0.002 of lr 4e-3); each alone,
+#      3e-3 (S4m32lr3s10k; on the 2000-instruction data lr 3e-3 was within 0.002 of lr 4e-3); each alone,
 #      as two side by side run at about half the speed each;
 #   RUNS="NAME LAYERS RANK LR STEPS [INIT_LAYERS]; ..." replaces stages 2-4 by those runs, side by side
 #      (the shipped draft was trained so: RUNS="S4m32lr4s10k 3 32 4e-3 10000" TRAIN_MIN=13; the one before
@@ -24,9 +24,8 @@
 # Seed 0; CUDA kernels are not bitwise deterministic, so a rerun gives the same recipe, not necessarily
 # the same bits. For that reason stage 1 starts from the shipped draft's own prompts (self_instruct.json
 # copied into $RUN/data) unless FRESH_PROMPTS=1 or SELF_INSTRUCT is not 4000: then the target writes them
-# anew (SELF_INSTRUCT=2000 gave the previous draft's 4853 prompts, S3m32lr4 at 3500 steps: docs/
-# benchmarks.md, ninth session). SELF_INSTRUCT=0 gives the built-in prompts only (sixth and seventh
-# sessions: L3m32lr2 at lr 2e-3 was shipped from it). Use a new RUN for other data: a data
+# anew (SELF_INSTRUCT=2000 gave the previous draft's 4853 prompts, S3m32lr4 at 3500 steps).
+# SELF_INSTRUCT=0 gives the built-in prompts only (L3m32lr2 at lr 2e-3, an earlier draft, came from it). Use a new RUN for other data: a data
 # directory keeps its prompt set. Every stage resumes where it stopped when run again (data parts and
 # train_state.pt in $RUN). The variables below the defaults shrink it (bench/device_real.sh's CPU check
 # runs it tiny; with NUM_PROMPTS set, SELF_INSTRUCT defaults to 4 instructions instead of 4000).
