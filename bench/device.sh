@@ -113,13 +113,13 @@ tests() {
   return "$rc"
 }
 
-# One part per call; the parts wait in /tmp between back-to-back calls on one warm machine. Exit 3 while
-# parts are missing, 0 once the file is installed (into $INSTALL, by default where `real` looks).
+# One part per call; the parts wait in $STASH (/tmp) between back-to-back calls on one warm machine. Exit
+# 3 while parts are missing, 0 once the file is installed (into $INSTALL, by default where `real` looks).
 transfer() {
   local dir rc=3 install=${INSTALL:-$(dirname "$GGUF")}
   for dir in .gguf .gguf/*/; do
     [[ -f $dir/manifest.json ]] || continue
-    $PY bench/gguf_chunks.py collect "$dir" /tmp/gguf-parts --install "$install"
+    $PY bench/gguf_chunks.py collect "$dir" "${STASH:-/tmp/gguf-parts}" --install "$install"
     rc=$?
     [[ $rc == 0 || $rc == 3 ]] || return "$rc"
   done
