@@ -422,6 +422,21 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
     return row
 
 
+def local_lines(row: dict) -> list[str]:
+    """One line per target of a summarised row whose draft runs inside it (MODE@local)."""
+    lines = []
+    for mode in (m for m in row if "@local" in m):
+        m = row[mode]
+        t, each = m["tokens_per_s"], ", ".join(f"{x:.2f}" for x in m.get("speedup_each_repeat", []))
+        eff = f", efficiency {m['efficiency']:.2f}" if "efficiency" in m else ""
+        lines.append(f"{mode} (draft in the target), {row['dtype']} B={row['batch']}: {t['median']:.0f} "
+                     f"[{t['min']:.0f}-{t['max']:.0f}] tok/s, / plain: {each}; round trip "
+                     f"{m['round_trip_ms']:.2f} ms, draft round {m['draft_round_ms']:.2f} ms, host "
+                     f"{m['step_host_ms']:.2f} ms, GPU gap {m['step_gpu_gap_ms']:.2f} ms, mean k "
+                     f"{m['mean_k']:.2f}{eff}")  # fmt: skip
+    return lines
+
+
 def markdown_table(rows: list[dict]) -> str:
     head = ["dtype", "B", "plain tok/s", "k=0 + draft tok/s", "fixed tok/s", "adaptive tok/s", "fixed x",
             "adaptive x", "TPOT plain / fixed / adaptive ms", "alpha", "E[a]", "c", "ideal",
@@ -581,15 +596,8 @@ def main() -> int:
             p = r["plain"]
             print(f"plain, {r['dtype']} B={r['batch']}: GPU gap {p.get('step_gpu_gap_ms', 0):.2f} ms "
                   f"per step, host {p['step_host_ms']:.2f} ms")  # fmt: skip
-        for mode in (m for m in r if "@local" in m):
-            m = r[mode]
-            t, each = m["tokens_per_s"], ", ".join(f"{x:.2f}" for x in m.get("speedup_each_repeat", []))
-            eff = f", efficiency {m['efficiency']:.2f}" if "efficiency" in m else ""
-            print(f"{mode} (draft in the target), {r['dtype']} B={r['batch']}: {t['median']:.0f} "
-                  f"[{t['min']:.0f}-{t['max']:.0f}] tok/s, / plain: {each}; round trip "
-                  f"{m['round_trip_ms']:.2f} ms, draft round {m['draft_round_ms']:.2f} ms, host "
-                  f"{m['step_host_ms']:.2f} ms, GPU gap {m['step_gpu_gap_ms']:.2f} ms, mean k "
-                  f"{m['mean_k']:.2f}{eff}")  # fmt: skip
+        for line in local_lines(r):
+            print(line)
         for mode in (m for m in r if m.startswith("plain@tp")):
             t, base = r[mode]["tpot_ms"], r["plain"]["tpot_ms"]
             each = ", ".join(f"{a / b:.2f}" for a, b in zip(t["runs"], base["runs"]))

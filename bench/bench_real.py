@@ -9,11 +9,12 @@
 The services and the measurement are bench/bench_e2e.py's (start_stack, run_batch, summarise): one draft
 service and one target per mode (`plain`: no draft attached; `fixed`: k every step; `adaptive`: k per
 step from measured costs), both services on one GPU (`--placement colocated`; pick it with
-CUDA_VISIBLE_DEVICES), greedy, k = 4, `--repeats` interleaved rounds per batch size, median and spread
-of wall-clock tok/s and TPOT, acceptance as accepted/drafted and as per-token alpha. What differs from
-bench_e2e: the prompts are the HELD-OUT chat prompts (common/training/prompts.py, never trained on)
-rendered with the target's chat template (B=16 takes the first 16; fewer prompts than B are cycled), and
-generation stops at the template's EOS (`--ignore-eos` to always generate --new-tokens).
+CUDA_VISIBLE_DEVICES), and with `--local-modes fixed adaptive` targets that run the draft inside them
+(`--draft-local`, the one-GPU deployment); greedy, k = 4, `--repeats` interleaved rounds per batch size,
+median and spread of wall-clock tok/s and TPOT, acceptance as accepted/drafted and as per-token alpha.
+What differs from bench_e2e: the prompts are the HELD-OUT chat prompts (common/training/prompts.py, never
+trained on) rendered with the target's chat template (B=16 takes the first 16; fewer prompts than B are
+cycled), and generation stops at the template's EOS (`--ignore-eos` to always generate --new-tokens).
 
 Correctness: after the timed runs the services stop and the project's own model computes the greedy
 reference in `--reference-dtype` (float32) alone, B=1, on the same device. Every service output (plain
@@ -36,7 +37,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_e2e import divergence_margins, markdown_table, run_batch, start_stack, summarise
+from bench.bench_e2e import (
+    base_mode,
+    divergence_margins,
+    local_lines,
+    markdown_table,
+    run_batch,
+    start_stack,
+    summarise,
+)
 from common.training import prompts as builtin_prompts
 
 MAX_DIVERGENCES = 24  # distinct divergences whose margins are computed (each is one B=1 forward per dtype)
@@ -191,8 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--modes", nargs="+", default=["plain", "fixed", "adaptive"], choices=["plain", "fixed", "adaptive"]
     )
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--local-modes", nargs="*", default=[], choices=["fixed", "adaptive"],
+                    help="also targets MODE@local with the draft inside them (--draft-local)")  # fmt: skip
+    ap.add_argument("--k", type=int, default=4, help="tokens drafted per step (fixed; adaptive's maximum)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="most tokens generated per request")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --new-tokens")
     ap.add_argument("--placement", default="colocated", choices=["auto", "colocated", "split"])
     ap.add_argument("--draft-tp-size", type=int, default=1)
@@ -210,15 +221,16 @@ def timed_runs(args, stack, prompts) -> tuple[list[dict], list[tuple[int, dict]]
     """Warm-up, then per batch size `--repeats` interleaved rounds over the modes; summarised rows."""
     for batch in args.batches:  # warm-up: allocator, connections, eager kernel variants
         for mode, t in stack.targets.items():
-            run_batch(t, stack.draft, prompts[:batch], 8, 0 if mode == "plain" else args.k, args.ignore_eos)
+            k = 0 if base_mode(mode) == "plain" else args.k
+            run_batch(t, stack.draft_of(mode), prompts[:batch], 8, k, args.ignore_eos)
     rows, all_runs = [], []
     for batch in args.batches:
         runs: dict[str, list[dict]] = {m: [] for m in stack.targets}
         for _ in range(args.repeats):
             for mode, t in stack.targets.items():
-                k = 0 if mode == "plain" else args.k
+                k = 0 if base_mode(mode) == "plain" else args.k
                 runs[mode].append(
-                    run_batch(t, stack.draft, prompts[:batch], args.new_tokens, k, args.ignore_eos)
+                    run_batch(t, stack.draft_of(mode), prompts[:batch], args.new_tokens, k, args.ignore_eos)
                 )
         row = summarise(args.dtype, batch, args.k, runs)
         row["output_tokens"] = {m: [sum(map(len, r["ids"])) for r in rs] for m, rs in runs.items()}
@@ -254,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         f"k={args.k}, <= {args.new_tokens} new tokens, {args.repeats} interleaved repeats (median [min-max])"
     )
     print(markdown_table(rows))
+    for row in rows:
+        for line in local_lines(row):
+            print(line)
     result = {
         "target": str(args.target),
         "draft": str(args.draft),
