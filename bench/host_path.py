@@ -57,6 +57,7 @@ class SimulatedRunner:
         self.queue_seconds = queue_seconds  # the step waits this long behind other GPU work first
         self.rng = random.Random(0)
         self.batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+        self.feature_store = None  # no feature draft
         self.step_costs: dict = {}
         self.executor = self  # prefill: executor.run("prefill", ...) does nothing here
         self.widths: list[int] = []  # the width of every step

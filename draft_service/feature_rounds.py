@@ -16,7 +16,7 @@ from common.batch import pack
 from common.features import FeatureStore
 from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
-from draft_service.runner import ChainedRound, GreedyRounds, RoundOutput
+from draft_service.rounds import ChainedRound, GreedyRounds, RoundOutput
 
 
 class FeatureRounds(GreedyRounds):

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kv_cache import SlotTable
-from draft_service.runner import ChainedRound, DraftRunner, RoundOutput
+from draft_service.rounds import ChainedRound, RoundOutput
+from draft_service.runner import DraftRunner
 
 
 @dataclass

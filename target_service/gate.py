@@ -17,7 +17,7 @@ from target_service.step_costs import StepCosts
 
 @dataclass(frozen=True)
 class GateConfig:
-    """A mode gate's tuned constants; bench/gate_sim.py replays a policy under other values."""
+    """A mode gate's tuned constants."""
 
     window: int = 16  # steps per window (a mode's first window in a bucket is a half-window warm-up)
     settle: int = 2  # first steps of a window left uncounted: a switch takes a step to show

@@ -194,6 +194,7 @@ class TargetRunner:
             self.model.feature_store = FeatureStore(
                 layers, mc.hidden_size, self.cache.num_slots, self.max_len, p.dtype, p.device
             )
+        self.feature_store = self.model.feature_store  # what the draft session reads (rank 0)
         self.batch_buckets = buckets(config.max_batch_size)
         self.ctx_buckets = buckets(self.max_len, min(CTX_MIN, self.max_len))
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"

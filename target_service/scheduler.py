@@ -58,7 +58,7 @@ class Scheduler:
         self.metrics = metrics
         self.link = link
         self.eos_ids = eos_ids
-        self.session = DraftSession(link, metrics, config.draft_timeout, runner.model.feature_store)
+        self.session = DraftSession(link, metrics, config.draft_timeout, runner.feature_store)
         # The accounting feeds the policy's costs and gates after each step; the plan (_ask) reads the policy.
         acc = self.accounting = StepAccounting(
             config, runner.batch_buckets, runner.step_costs, self.session, metrics
