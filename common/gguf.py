@@ -17,15 +17,17 @@ Hugging Face layout the rest of specsplit uses:
   come from the metadata.
 
 Loading is the slow part of a service's start on CPU, so it is done once per tensor and in place:
-`read_into` dequantizes only the rows a rank holds, a block of rows at a time, straight into the
-parameter in the serving dtype (no full-size fp32 copy), from a memory map the reader parses as plain
-arrays (np.memmap's per-slice Python hook costs seconds over a 150k-token vocabulary).
+`read_into` dequantizes only the rows a rank holds, a block of rows at a time on torch's thread count
+(numpy releases the GIL), straight into the parameter in the serving dtype (no full-size fp32 copy),
+from a memory map the reader parses as plain arrays (np.memmap's per-slice Python hook costs seconds
+over a 150k-token vocabulary).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,8 +85,11 @@ HF_LAYER_MODULES = (
 
 def find_gguf(path: str | Path) -> Path | None:
     """`path` itself when it is a .gguf file; the one .gguf inside a directory that has no config.json;
-    None for a Hugging Face (safetensors) directory. Raises when a directory holds several .gguf files."""
-    path = Path(path)
+    a catalogue model's file (specsplit.catalog: fetched if not cached) for its name; None for a Hugging
+    Face (safetensors) directory. Raises when a directory holds several .gguf files."""
+    from specsplit.catalog import resolve_model
+
+    path = resolve_model(path)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such GGUF file")
@@ -175,6 +180,7 @@ class GGUFCheckpoint:
             raise ValueError(
                 f"{self.path}: tensor 'rope_freqs.weight' (llama3-style rope scaling) is not supported"
             )
+        self._threads: ThreadPoolExecutor | None = None
         self.config = self._config()
         model_arch = gguf.MODEL_ARCH[self.layout.model_arch]
         self._names = gguf.get_tensor_name_map(model_arch, self.config.num_hidden_layers)
@@ -280,11 +286,19 @@ class GGUFCheckpoint:
         data = t.data.reshape(shape[0], -1)
         cols = (slice(None), *index[1:])
         step = max(1, DEQUANT_BLOCK_ELEMENTS // (t.n_elements // shape[0]))
-        for start in range(0, len(rows), step):
+
+        def block(start: int) -> None:
             r = rows[start : start + step]
-            block = data[r] if order is not None else data[r[0] : r[0] + len(r)]  # a view, not a copy
-            values = torch.from_numpy(dequantize(block)).view(len(r), *shape[1:])
+            quantized = data[r] if order is not None else data[r[0] : r[0] + len(r)]  # a view, not a copy
+            values = torch.from_numpy(dequantize(quantized)).view(len(r), *shape[1:])
             dst[start : start + len(r)].copy_(values[cols])
+
+        list(self._pool().map(block, range(0, len(rows), step)))  # numpy releases the GIL in each op
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max(1, torch.get_num_threads()), "gguf-dequant")
+        return self._threads
 
     def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
         """For llama's permuted q/k (weights and biases): HF row i is GGUF row order[i]; else None."""
