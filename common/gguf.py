@@ -56,15 +56,14 @@ GGUF_TOKENIZER_MODELS = ("gpt2",)
 # llama.cpp pre-tokenizers that split every digit before the GPT-2 regex (llama-vocab.cpp groups these).
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva", "command-r")
 # llama.cpp pre-tokenizers with their own split regex (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_*), applied
-# before the byte-level mapping; the original tokenizer.json also NFC-normalizes (transformers'
-# Qwen2Converter does the same when it rebuilds the tokenizer from a GGUF).
+# before the byte-level mapping. No normalizer: llama.cpp and transformers' GGUF tokenizer apply none
+# (Qwen2's own tokenizer.json NFC-normalizes; a decomposed "é" tokenizes differently there).
 PRE_TOKENIZER_SPLITS = {
     "qwen2": (
         r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
     ),
 }
-NFC_PRE = ("qwen2",)
 # Dequantize this many elements at a time: a block of rows stays in cache and the fp32 temporary small.
 DEQUANT_BLOCK_ELEMENTS = 1 << 18
 
@@ -313,7 +312,7 @@ class GGUFCheckpoint:
     # -- tokenizer ---------------------------------------------------------------------------------
     def hf_tokenizer(self):
         """A `tokenizers.Tokenizer` rebuilt from tokenizer.ggml.* (byte-level BPE, as GPT-2)."""
-        from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
         kind = self.metadata("tokenizer.ggml.model", None)
@@ -337,8 +336,6 @@ class GGUFCheckpoint:
             )
         else:
             tok.pre_tokenizer = byte_level
-        if pre in NFC_PRE:
-            tok.normalizer = normalizers.NFC()
         tok.decoder = decoders.ByteLevel()
         # CONTROL (3) tokens such as <|im_start|> must match whole in text (a chat template writes them).
         types = self.metadata("tokenizer.ggml.token_type", [])
