@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     procs = [draft]
     ready_timeout = 1200.0 if args.coder else 180.0  # the coder pair dequantizes 2.2B weights on CPU
+    # The 0.5B draft reads 2.4 GB of fp32 weights per token on CPU: k = 4 takes seconds, past the
+    # target's default wait for a proposal (it would verify with k = 0 instead).
+    slow_draft = ["--draft-timeout", "300"] if args.coder else []
     t_start = time.perf_counter()
     try:
         draft.wait_ready(ready_timeout)
@@ -239,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--speculation-policy",
                 args.speculation_policy,
                 *limits,
+                *slow_draft,
             ],
             logs / "target.log",
         )
