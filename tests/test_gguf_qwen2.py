@@ -17,7 +17,7 @@ import torch
 import transformers  # a CI dependency: a missing reference must fail, not skip
 
 from common.distributed import Comm, init_tp
-from common.gguf import hf_shape, open_gguf
+from common.gguf import find_gguf, hf_shape, open_gguf
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.generate import forward_rows, greedy_generate
@@ -134,6 +134,13 @@ def test_every_quant_type_equals_the_gguf_library(qwen05):
             part = torch.empty_like(want[:, cols])
             ckpt.read_into(name, part, (slice(None), cols))
             assert torch.equal(part, want[:, cols]), f"{qtype}: columns"
+
+
+def test_a_catalogue_name_is_a_model_path(qwen05, monkeypatch):
+    """What --model resolves a catalogue name to (the services' loader and tokenizer): the fetched file."""
+    monkeypatch.setenv(MODEL_CACHE_ENV, str(model_cache()))
+    assert find_gguf(CODER) == qwen05
+    assert load_tokenizer(CODER).eos_token_id == 151645
 
 
 # -- a tiny qwen2 GGUF from gguf's own writer -----------------------------------------------------------
