@@ -34,6 +34,7 @@ LONGEST_FIRST = (
     "test_services_lossless.py",
     "test_rejection_sampled.py",
     "test_gguf.py",
+    "test_gguf_qwen2.py",
     "test_sdk_unit.py",
     "test_services_faults.py",
     "test_load.py",
