@@ -38,6 +38,10 @@ REFRESH_AGE_MAX = 512
 # fewer than that left stays plain: the draft's catch-up on every token since would cost more than the
 # last few steps win back. Requests that have barely started are exempt (their prompt costs the same).
 SWITCH_ON_MIN_LEFT = 32
+# A batch whose drafts promise less than MIN_GAIN more tokens per step at every k runs plain without any
+# try of speculation (no timing, refresh or gate window): no verify wider than one position costs that
+# little. One step in REPROBE_EVERY of such steps still speculates, so a draft that improves is seen.
+MIN_GAIN, REPROBE_EVERY = 0.02, 1024
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -72,6 +76,7 @@ class SpeculationPolicy:
         self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
         self.refresh_age: dict[tuple[int, int], int] = {}  # (bucket, k) -> its wait (default REFRESH_AGE)
         self.last_k: int | None = None  # the k chosen for the last step (None: none chosen yet)
+        self.hopeless_steps = 0  # steps in a row whose drafts promised less than MIN_GAIN
 
     @property
     def prior_alpha(self) -> float:
@@ -103,14 +108,21 @@ class SpeculationPolicy:
         self.gated = False  # the step this chooses for is one of the gate's (observe_step)
         if self.mode == FIXED or max_k == 0:
             return max_k
+        tokens = self.batch_tokens(batch, max_k)
+        if tokens[max_k] < (1 + MIN_GAIN) * tokens[0]:
+            self.hopeless_steps += 1
+            if self.hopeless_steps % REPROBE_EVERY:
+                return 0  # not one of the gate's steps either: nothing for speculation to win here
+        else:
+            self.hopeless_steps = 0
         if self.gate is not None and self.gate.mode(len(batch)) is False:
             self.gated = True  # off for this window: no estimate needed (a plain step's host time) ...
             if self.gate.unmeasured(len(batch)):  # ... but in plain's first windows the model may end them
-                goodput = self._goodput(batch, max_k)
+                goodput = self._goodput(batch, tokens)
                 if isinstance(goodput, list):
                     self._tell_gate(len(batch), goodput, self._best_on(goodput))
             return 0
-        goodput = self._goodput(batch, max_k)
+        goodput = self._goodput(batch, tokens)
         if isinstance(goodput, int):
             return goodput  # no verify cost measured at or below this width for this batch: measure it
         best_k = max(range(max_k + 1), key=goodput.__getitem__)
@@ -125,12 +137,11 @@ class SpeculationPolicy:
             best_k = best_on
         return self._refresh(len(batch), best_k, goodput) if best_k else 0
 
-    def _goodput(self, batch: Sequence[Request], max_k: int) -> list[float] | int:
-        """Expected output tokens per second of a step at each k in 0..max_k, or the first k with no
-        cost to estimate it from."""
-        tokens = self.batch_tokens(batch, max_k)
+    def _goodput(self, batch: Sequence[Request], tokens: list[float]) -> list[float] | int:
+        """Expected output tokens per second of a step at each k in 0..max_k (tokens: `batch_tokens`), or
+        the first k with no cost to estimate it from."""
         goodput = []
-        for k in range(max_k + 1):
+        for k in range(len(tokens)):
             seconds = self.costs.step_seconds(len(batch), k)
             if seconds is None:
                 return k
