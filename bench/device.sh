@@ -11,6 +11,7 @@
 #   bench/device.sh train                         drafts/smollm2-135m-instruct/train.sh (after transfer)
 #   bench/device.sh feature-train                 drafts/smollm2-135m-instruct-feature/train.sh (after transfer)
 #   bench/device.sh feature [DRAFT]               SmolLM2 + a feature draft in the target, bench-serve
+#                                                 (CONFIGS="plain never" BATCHES="16 64": a subset)
 #
 # What the machine needs from here (the device tool's `carry`):
 #   .whl/   wheels the GPU image lacks, installed into $SITE when their module is missing there:
@@ -34,7 +35,7 @@ export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_ME
 mkdir -p "$OUT"
 
 usage() {
-  sed -n '2,13p' "$0" | cut -c3-
+  sed -n '2,14p' "$0" | cut -c3-
   exit 2
 }
 
@@ -194,17 +195,19 @@ PY
   local common=(--model "$GGUF" --device cuda --dtype bfloat16 --max-batch-size 64 --metrics-port -1) pids=()
   declare -A port=([plain]=50061 [adaptive]=50062 [fixed]=50063 [never]=50064)
   $PY -m target_service "${common[@]}" --port 50061 > "$r/plain.log" 2>&1 & pids+=($!)
-  for cfg in adaptive fixed never; do
+  for cfg in ${CONFIGS:-adaptive fixed never}; do
+    [[ $cfg == plain ]] && continue
     local model=$d policy=adaptive
     [[ $cfg == never ]] && model=$r/never
     [[ $cfg == fixed ]] && policy=fixed
     $PY -m target_service "${common[@]}" --port "${port[$cfg]}" --draft-local "--model $model --metrics-port -1" \
       --speculation-policy $policy > "$r/$cfg.log" 2>&1 & pids+=($!)
   done
-  for cfg in plain adaptive fixed never; do
+  for cfg in ${CONFIGS:-plain adaptive fixed never}; do
     for _ in $(seq 300); do $PY -m specsplit.cli health --target "localhost:${port[$cfg]}" >/dev/null 2>&1 && break; sleep 1; done
   done
-  for rep in 1 2 3; do for b in 1 16 64; do for cfg in plain adaptive fixed never; do
+  local configs=(${CONFIGS:-plain adaptive fixed never}) batches=(${BATCHES:-1 16 64})
+  for rep in 1 2 3; do for b in "${batches[@]}"; do for cfg in "${configs[@]}"; do
     local n=$((b == 1 ? 12 : 2 * b))
     ((b == 64)) && n=128
     $PY -m specsplit.cli bench-serve --target "localhost:${port[$cfg]}" --dataset "$r/chat.jsonl" --num-prompts $n \
@@ -218,6 +221,8 @@ runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(f
 json.dump(runs, open(sys.argv[2], "w"), indent=1)
 for cfg in ("adaptive", "fixed", "never"):
     for b in (1, 16, 64):
+        if f"{cfg}-b{b}-r1" not in runs:
+            continue
         x = [runs[f"{cfg}-b{b}-r{i}"]["output_throughput"] / runs[f"plain-b{b}-r{i}"]["output_throughput"]
              for i in (1, 2, 3)]
         print(cfg, b, "x plain:", [round(v, 3) for v in x], "median", round(statistics.median(x), 3))
