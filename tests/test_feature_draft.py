@@ -142,6 +142,28 @@ def test_feature_draft_service_is_lossless_with_features_on_the_wire(pair) -> No
 
 
 @pytest.mark.slow
+def test_feature_draft_at_tp2_keeps_local_argmax_and_the_replicated_markov_head(pair) -> None:
+    """The draft on two gloo ranks: features reach both, the LM head reduces locally (its argmax site
+    moves bytes, no logits are gathered), and the drafts are those of one rank: the same acceptance."""
+    target_dir, draft_dir, log_dir = pair
+    ps = prompts_for(target_dir, 4)
+    counts = []
+    for tp in ("1", "2"):
+        with running(start_draft(draft_dir, log_dir, "--tp-size", tp).wait_ready()) as (draft,):
+            target = start_target(target_dir, log_dir, draft, "--draft-feature-layers", LAYERS,
+                                  name=f"target-tp{tp}").wait_ready()  # fmt: skip
+            with running(target):
+                spec, _ = speculative_equals_plain(target.address, ps, 2, k=4, max_new_tokens=32)
+            head_bytes = {site: draft.metric("specsplit_tp_comm_bytes_total", site=site)
+                          for site in ("lm_head_argmax", "logits_gather", "markov_head")}  # fmt: skip
+        counts.append((sum(r.usage.drafted_tokens for r in spec), sum(r.usage.accepted_tokens for r in spec)))
+    assert counts[0] == counts[1] and counts[1][1] > 0, counts
+    # Two ranks: one (value, index) pair per rank and row at each position; no logits gathered, and the
+    # replicated Markov head moves nothing.
+    assert head_bytes["lm_head_argmax"] > 0 and head_bytes["logits_gather"] == head_bytes["markov_head"] == 0
+
+
+@pytest.mark.slow
 def test_feature_draft_in_the_target_is_lossless_and_chained(pair) -> None:
     target_dir, draft_dir, log_dir = pair
     target = start_target(target_dir, log_dir, None, "--draft-local", f"--model {draft_dir} --metrics-port 0",
