@@ -22,6 +22,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from google.protobuf.descriptor import ServiceDescriptor
+
 from common.grpc_util import SERVER_OPTIONS, add_port, allowed, denial, read_token
 from common.lifecycle import freeze_startup_heap
 from common.metrics import start_metrics_server
@@ -114,6 +116,30 @@ def _deliver_all(batch: list[tuple[StreamOut, Any]]) -> None:
         out._deliver(item)
 
 
+class PendingAioServicer:
+    """Stands in for the servicer until `attach`: every RPC answers UNAVAILABLE ("the model is loading")
+    before that, so the port and health (NOT_SERVING) come up before the model loads (the asyncio twin of
+    common.service.PendingServicer). One coroutine per RPC of `service`; a streaming RPC's servicer
+    writes with `context.write`, so forwarding is one await either way."""
+
+    def __init__(self, service: ServiceDescriptor):
+        self._servicer: Any = None
+        for method in service.methods:
+            setattr(self, method.name, self._forward(method.name))
+
+    def attach(self, servicer: object) -> None:
+        self._servicer = servicer
+
+    def _forward(self, name: str) -> Callable:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            servicer = self._servicer
+            if servicer is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading; retry when ready")
+            return await getattr(servicer, name)(request, context)
+
+        return call
+
+
 def _add_port(server: grpc.aio.Server, config: ServiceConfig) -> int:
     """Plaintext, TLS or mTLS, as the sync servers bind (grpc.aio servers take the same calls)."""
     address = f"{config.host}:{config.port}"
@@ -176,9 +202,14 @@ class AioFront:
 
         self.call(set_all())
 
-    def start(self, detail: str = "") -> None:
-        freeze_startup_heap()  # the model and its graphs are loaded: as common.service.Front.start does
+    def open(self) -> None:
+        """Starts serving RPCs with health NOT_SERVING (before the model loads: see PendingAioServicer)."""
         self.call(self.server.start())
+        log.info("listening: grpc port %d (asyncio), metrics port %d (loading)", self.port, self.metrics_port)
+
+    def start(self, detail: str = "") -> None:
+        """The model is loaded: report SERVING."""
+        freeze_startup_heap()  # the model and its graphs are loaded: as common.service.Front.start does
         self.set_serving(True)
         log.info("ready: grpc port %d (asyncio), metrics port %d%s", self.port, self.metrics_port, detail)
         # Launchers (specsplit.launch, the demo) wait for this line.

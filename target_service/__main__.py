@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 
-from common.aio_front import AioFront
+from common.aio_front import AioFront, PendingAioServicer
 from common.grpc_util import (
     channel_credentials,
     read_token,
@@ -27,7 +27,8 @@ from target_service.scheduler import Scheduler
 from target_service.server import TargetServicer
 
 log = logging.getLogger("specsplit.target")
-SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
+SERVICE_NAME = SERVICE.full_name
 
 
 def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
@@ -66,6 +67,19 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--metrics-port: %s", exc)
         return 2
     announce_metrics_port(metrics_port)
+    # The gRPC port opens now, NOT_SERVING, each RPC UNAVAILABLE ("the model is loading") until loaded.
+    pending = PendingAioServicer(SERVICE)
+    try:
+        front = AioFront(
+            config,
+            SERVICE_NAME,
+            lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(pending, server),
+            metrics_port=metrics_port,
+        )
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    front.open()
     log.info(
         "loading target model %s (tp=%d, %s, %s)", config.model, config.tp_size, config.device, config.dtype
     )
@@ -76,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(config.model)
     except (ValueError, FileNotFoundError) as exc:
         log.error("cannot load the target model: %s", exc)
+        front.stop(grace=0)
         return 2
     mc = runner.model.config
     log.info(
@@ -87,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         runner.num_graphs,
     )
 
-    # The aio gRPC front (common/aio_front.py) starts after the load; the health port and /metrics are
-    # already up (NOT_SERVING, specsplit_ready 0).
     try:
         link = None
         # Sent to each draft: one on the same GPUs drafts nothing ahead (it would delay the verify).
@@ -127,14 +140,9 @@ def main(argv: list[str] | None = None) -> int:
             dtype=config.dtype,
         )
         servicer = TargetServicer(config, scheduler, metrics, tokenizer, model_info)
-        front = AioFront(
-            config,
-            SERVICE_NAME,
-            lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
-            metrics_port=metrics_port,
-        )
     except (ValueError, FileNotFoundError) as exc:
         log.error("%s", exc)
+        front.stop(grace=0)
         return 2
 
     scheduler.start()
@@ -143,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         if not link.wait_connected(timeout=5.0):
             log.warning("draft %s not reachable yet: plain decoding until it is", config.draft_address)
     servicer.ready = True
+    pending.attach(servicer)
     front.start(f", verify backend {scheduler.verify_backend}")
     metrics.ready.set(1)
     if health_port is not None:

@@ -191,7 +191,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Generate(self, request: target_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         self.metrics.count_grpc_message("received", "generate_request", request.ByteSize())
         if not self.ready:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is not ready")
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the model is loading; retry when ready")
         task = asyncio.current_task()
         assert task is not None
 

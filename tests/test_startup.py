@@ -9,8 +9,11 @@ finish: SERVING, ready 1, real answers. The hook delays; the service's own code 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -19,10 +22,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from specsplit import AsyncClient, Client, DeadlineExceededError, UnavailableError
 from specsplit.launch import REPO, free_port, start_service
-from specsplit.v1 import draft_pb2, draft_pb2_grpc
+from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.conftest_sdk import make_certificates
-from tests.service_util import wait_for
+from tests.service_util import request, wait_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -112,9 +116,10 @@ def test_health_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
         draft.stop()
 
 
-def test_target_health_port_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
-    """The target: its plaintext health port says NOT_SERVING and /metrics serves `specsplit_ready 0`
-    during the load (the gRPC port itself opens with the aio front once the model is loaded)."""
+def test_target_port_health_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
+    """The target: its gRPC port (health NOT_SERVING, Generate UNAVAILABLE naming the load), its plaintext
+    health port and /metrics (`specsplit_ready 0`) answer during the load; then SERVING and real answers.
+    The SDK's wait_ready() and `specsplit health --wait` return once it is SERVING."""
     hook, gate = tmp_path / "hook", tmp_path / "gate"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(LOAD_GATE_HOOK)
@@ -129,18 +134,50 @@ def test_target_health_port_and_metrics_answer_while_the_model_loads(demo_models
         wait_for(lambda: _answers(target.metrics_port), 30, "/metrics during the load")
         assert "SPECSPLIT_READY" not in target.log_text()
         assert ready_gauge(target.metrics_port) == {"my-target": 0.0}
-        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain, \
+                grpc.insecure_channel(target.address) as main:  # fmt: skip
             assert health(plain) == NOT_SERVING
+            assert health(main) == NOT_SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                list(target_pb2_grpc.TargetServiceStub(main).Generate(request([1, 2, 3]), timeout=5))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+            assert "model is loading" in err.value.details(), err.value.details()
+            with Client(target.address) as client:
+                with pytest.raises(UnavailableError, match="model is loading"):
+                    client.generate([1, 2, 3], max_new_tokens=2)
+                with pytest.raises(DeadlineExceededError, match="NOT_SERVING"):
+                    client.wait_ready(timeout=0.3)
+            waited = subprocess.run(
+                [sys.executable, "-m", "specsplit.cli", "health", "--target", target.address, "--wait", "0.3"],
+                capture_output=True, text=True, cwd=REPO, timeout=60,
+            )  # fmt: skip
+            assert waited.returncode == 3 and "NOT_SERVING" in waited.stdout, waited
+            cli = subprocess.Popen(
+                [sys.executable, "-m", "specsplit.cli", "health", "--target", target.address, "--wait", "120"],
+                stdout=subprocess.PIPE, text=True, cwd=REPO,
+            )  # fmt: skip
             gate.touch()
-            target.wait_ready()
-            assert health(plain) == SERVING
+            with Client(target.address) as client:
+                client.wait_ready(timeout=120)
+                assert client.generate([1, 2, 3], max_new_tokens=2).usage.output_tokens == 2
+            asyncio.run(_async_wait_ready(target.address))
+            assert cli.wait(60) == 0 and cli.stdout is not None and cli.stdout.read() == "SERVING\n"
+            assert "SPECSPLIT_READY" in target.log_text()
+            assert health(plain) == SERVING and health(main) == SERVING
         assert ready_gauge(target.metrics_port) == {"my-target": 1.0}
         # The target's heap is frozen too (its front is the asyncio one, common/aio_front.py).
         frozen = re.search(r"start-up heap frozen: (\d+) objects", target.log_text())
         assert frozen and int(frozen.group(1)) > 10_000, target.log_text()[-2000:]
+        # Loading shows its progress: tensors, bytes, seconds.
+        assert re.search(r"loading \S+: (\d+)/\1 tensors, [\d.]+/[\d.]+ MB, [\d.]+ s", target.log_text())
     finally:
         gate.touch()
         target.stop()
+
+
+async def _async_wait_ready(address: str) -> None:
+    async with AsyncClient(address) as client:
+        await client.wait_ready(timeout=60)
 
 
 def _answers(metrics_port: int) -> bool:
