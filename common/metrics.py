@@ -253,6 +253,14 @@ class ServiceMetrics:
         self.draft_connected = gauge(
             "draft_connected", "1 while the target holds a healthy stream to the draft service, else 0."
         )
+        self._not_drafting = Gauge(
+            PREFIX + "not_drafting",
+            "1 for the reason the target's last step drafted nothing though its requests allowed it "
+            "(e.g. the adaptive policy: draft cost exceeds expected gain); all 0 while it drafts.",
+            (*base, "reason"),
+            registry=registry,
+        )
+        self._not_drafting_reason = ""
         self._info = Info(
             PREFIX + "service", "Static facts about this service process.", base, registry=registry
         )
@@ -260,6 +268,16 @@ class ServiceMetrics:
 
         for code in SERVER_ERROR_CODES:
             self.request_error(code)
+
+    def set_not_drafting(self, reason: str) -> None:
+        """The reason the last step drafted nothing ("": it drafted); a series per reason seen, one at 1."""
+        if reason == self._not_drafting_reason:
+            return
+        if self._not_drafting_reason:
+            self._not_drafting.labels(self.role, self.model, self._not_drafting_reason).set(0)
+        if reason:
+            self._not_drafting.labels(self.role, self.model, reason).set(1)
+        self._not_drafting_reason = reason
         registry.register(TPCommCollector(role, model, comm_stats))
 
     # Labelled children are looked up per step and per message (accepted-at-position, the gRPC message

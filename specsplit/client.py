@@ -69,6 +69,9 @@ class Usage:
     drafted_tokens: int
     accepted_tokens: int
     steps: int
+    # Why nothing was drafted for a request that allowed it (e.g. "adaptive policy: draft cost exceeds
+    # expected gain", "draft not connected"); empty when it was drafted for.
+    speculation_note: str = ""
 
     @property
     def acceptance_rate(self) -> float:
@@ -78,7 +81,8 @@ class Usage:
 
     @classmethod
     def from_proto(cls, msg: target_pb2.Usage) -> Usage:
-        return cls(msg.prompt_tokens, msg.output_tokens, msg.drafted_tokens, msg.accepted_tokens, msg.steps)
+        return cls(msg.prompt_tokens, msg.output_tokens, msg.drafted_tokens, msg.accepted_tokens, msg.steps,
+                   msg.speculation_note)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,9 @@ class ModelInfo:
     draft_connected: bool
     eos_token_id: int | None  # None: the model has no end-of-sequence token
     dtype: str
+    speculation_policy: str  # "fixed" or "adaptive"
+    draft_kind: str  # "local" (in the target process), "service" or "none"
+    not_drafting_reason: str  # why the last step drafted nothing though allowed ("" while drafting)
 
     @classmethod
     def from_proto(cls, msg: target_pb2.GetModelInfoResponse) -> ModelInfo:

@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
             max_top_k=mc.vocab_size,
             eos_token_id=min(eos_ids) if eos_ids else None,
             dtype=config.dtype,
+            speculation_policy=config.speculation_policy,
+            draft_kind="local" if draft_config is not None else "service" if link is not None else "none",
         )
         servicer = TargetServicer(config, scheduler, metrics, tokenizer, model_info)
     except (ValueError, FileNotFoundError) as exc:

@@ -53,6 +53,10 @@ REFRESH_AGE_MAX = 512
 # B <= 16), and the adaptive target's tails cost 46-109 ms of ~1250 ms runs (0.93-0.97x plain). Requests
 # that have barely started are exempt: the draft's work for them (the prompt) is the same now or later.
 SWITCH_ON_MIN_LEFT = 32
+# Why a step the batch allowed to speculate did not (policy.off_reason; GetModelInfo, the metrics, usage).
+COST_MEASURED = "draft cost exceeds expected gain (measured: plain steps were faster at this batch size)"
+COST_ESTIMATED = "draft cost exceeds expected gain (estimated from step costs and acceptance)"
+NEAR_END = "requests near their end: switching speculation on would not pay back its catch-up"
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -86,6 +90,7 @@ class SpeculationPolicy:
         self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
         self.refresh_age: dict[tuple[int, int], int] = {}  # (bucket, k) -> its wait (default REFRESH_AGE)
         self.last_k: int | None = None  # the k chosen for the last step (None: none chosen yet)
+        self.off_reason = ""  # why the last step chose k = 0 though the batch allowed more ("": it did not)
 
     @property
     def prior_alpha(self) -> float:
@@ -97,9 +102,11 @@ class SpeculationPolicy:
 
     def choose(self, batch: Sequence[Request]) -> int:
         """The step's k: each request r then drafts min(k, r.k) tokens."""
+        self.off_reason = ""
         k = self._choose(batch)
         if k and self.last_k == 0 and self.mode == ADAPTIVE and self._ending(batch):
             self.gated = False  # a plain step outside the gate's windows (observe_step skips it)
+            self.off_reason = NEAR_END
             k = 0
         self.last_k = k
         return k
@@ -123,6 +130,7 @@ class SpeculationPolicy:
                 goodput = self._goodput(batch, max_k)
                 if isinstance(goodput, list):
                     self._tell_gate(len(batch), goodput, self._best_on(goodput))
+            self.off_reason = COST_ESTIMATED if self.gate.unmeasured(len(batch)) else COST_MEASURED
             return 0
         goodput = self._goodput(batch, max_k)
         if isinstance(goodput, int):
@@ -135,9 +143,13 @@ class SpeculationPolicy:
             best_on = self._best_on(goodput)
             self._tell_gate(len(batch), goodput, best_on)
             if not self.gate.want(len(batch), default=best_k > 0):
+                self.off_reason = COST_ESTIMATED if self.gate.unmeasured(len(batch)) else COST_MEASURED
                 return 0
             best_k = best_on
-        return self._refresh(len(batch), best_k, goodput) if best_k else 0
+        if not best_k:
+            self.off_reason = COST_ESTIMATED
+            return 0
+        return self._refresh(len(batch), best_k, goodput)
 
     def _goodput(self, batch: Sequence[Request], max_k: int) -> list[float] | int:
         """Expected output tokens per second of a step at each k in 0..max_k, or the first k with no

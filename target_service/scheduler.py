@@ -37,6 +37,7 @@ from target_service.streamer import Streamer
 __all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposal"]
 
 LOG_EVERY = 64  # steps between the DEBUG phase and policy lines
+NO_DRAFT = "draft not connected"  # why a target with a draft drafts nothing while its link is down
 BRANCH_SETTLE = 2  # speculative steps after plain ones that the branch gate does not count
 # Steps that start or finish requests are neither mode's rate in the gates' windows: finishing requests
 # and first tokens cost host work (last messages, streams closed, first messages) in whatever mode, and
@@ -113,6 +114,7 @@ class Scheduler:
         self.phase_seconds = dict.fromkeys(("plan", "propose", "verify", "commit"), 0.0)
         self.steps = 0
         self.asked_k = 0  # the k of the latest ask for the whole batch (the step trace)
+        self.not_drafting = ""  # why the latest ask drafted nothing though the batch allowed it
         self.trace = StepTrace(config.step_trace) if config.step_trace else None
         # Labelled series exist from the start, so rate() sees their first increase.
         for pos in range(config.max_speculative_tokens):
@@ -283,6 +285,9 @@ class Scheduler:
         k = 0
         if self.session.attached:
             k = self._safely("the speculation policy", self.policy.choose, 0, batch)
+            reason = self.policy.off_reason if not k else ""
+        else:
+            reason = NO_DRAFT if self.link is not None else ""
         if self.branch_gate is not None:
             # One gate explores at a time (ModeGate.exploring): a try of speculation runs beside the
             # branches' better mode, not beside a try of theirs.
@@ -293,6 +298,9 @@ class Scheduler:
         if subset is None:
             self.metrics.step_k.observe(k)
             self.asked_k = k
+            if reason != self.not_drafting:
+                self.not_drafting = reason
+                self.metrics.set_not_drafting(reason)
 
     def _speculation_exploring(self, batch: int) -> bool:
         gate = self.policy.gate
@@ -463,12 +471,15 @@ class Scheduler:
             self.costs.observe_step(batch, width - 1, wall, verify, session.last_wait)
 
     def _usage(self, req: Request) -> target_pb2.Usage:
+        # A request that allowed drafting and got none is told why (the last step's reason).
+        note = self.not_drafting if req.k and not req.spec.drafted else ""
         return target_pb2.Usage(
             prompt_tokens=len(req.prompt),
             output_tokens=len(req.output),
             drafted_tokens=req.spec.drafted,
             accepted_tokens=req.spec.accepted,
             steps=req.spec.steps,
+            speculation_note=f"{self.policy.mode} policy: {note}" if note and note != NO_DRAFT else note,
         )
 
     def _hand_over_tokens(self) -> None:

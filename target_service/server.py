@@ -263,6 +263,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         info.CopyFrom(self.model_info)
         link = self.scheduler.link
         info.draft_connected = bool(link and link.connected)
+        info.not_drafting_reason = self.scheduler.not_drafting
         if link is not None and link.info is not None:
             info.draft_model = link.info.model
             info.draft_tp_size = link.info.tp_size
