@@ -19,10 +19,9 @@ from concurrent.futures import Future
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-from google.protobuf.descriptor import ServiceDescriptor
 
 from common.grpc_util import SERVER_OPTIONS, add_port, allowed, denial, read_token
 from common.lifecycle import freeze_startup_heap
@@ -157,9 +156,11 @@ class AioFront:
         service_name: str,
         register: Callable[[grpc.aio.Server], None],
         metrics_port: int | None = None,
+        local_socket: str = "",
     ):
         """Binds everything; raises ValueError naming the flag on bad TLS/token/port settings.
-        `metrics_port`: /metrics is already served there (started before the model load)."""
+        `metrics_port`: /metrics is already served there (started before the model load).
+        `local_socket`: also serve plaintext on this Unix socket (in-process gateways: the HTTP API)."""
         self.service_name = service_name
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
@@ -175,6 +176,8 @@ class AioFront:
             names = [service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
             reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
             port = _add_port(server, config)
+            if local_socket and not server.add_insecure_port(f"unix:{local_socket}"):
+                raise ValueError(f"cannot bind the local socket {local_socket}")
             return server, health_servicer, port
 
         try:

@@ -268,6 +268,7 @@ class ServiceMetrics:
 
         for code in SERVER_ERROR_CODES:
             self.request_error(code)
+        registry.register(TPCommCollector(role, model, comm_stats))
 
     def set_not_drafting(self, reason: str) -> None:
         """The reason the last step drafted nothing ("": it drafted); a series per reason seen, one at 1."""
@@ -278,7 +279,6 @@ class ServiceMetrics:
         if reason:
             self._not_drafting.labels(self.role, self.model, reason).set(1)
         self._not_drafting_reason = reason
-        registry.register(TPCommCollector(role, model, comm_stats))
 
     # Labelled children are looked up per step and per message (accepted-at-position, the gRPC message
     # counters): prometheus_client's labels() validates and hashes its arguments on every call, 11 % of

@@ -186,7 +186,9 @@ def first_connect(channel: grpc.Channel, timeout: float | None) -> grpc.ChannelC
     return settled[0] if settled else None
 
 
-async def first_connect_aio(channel: grpc.aio.Channel, timeout: float | None) -> grpc.ChannelConnectivity | None:
+async def first_connect_aio(
+    channel: grpc.aio.Channel, timeout: float | None
+) -> grpc.ChannelConnectivity | None:
     """`first_connect` for an asyncio channel."""
     wait = min(timeout, CONNECT_CHECK_S) if timeout is not None else CONNECT_CHECK_S
     deadline = time.monotonic() + wait

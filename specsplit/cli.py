@@ -43,7 +43,10 @@ DISPATCH = {
     "serve-draft": ("draft_service.__main__", "run the draft service"),
     "serve-target": ("target_service.__main__", "run the target service"),
     "train-draft": ("common.training.train_draft", "distil a draft (layers + Markov head) for a target"),
-    "serve": ("target_service.serve", "serve a model: a target with its draft, gRPC and an OpenAI-style HTTP API"),
+    "serve": (
+        "target_service.serve",
+        "serve a model: a target with its draft, gRPC and an OpenAI-style HTTP API",
+    ),
     "demo": (
         "specsplit.demo",
         "run both services on CPU with SmolLM2-135M-Instruct and its trained draft, speculative vs plain",
@@ -153,7 +156,9 @@ class HintingParser(argparse.ArgumentParser):
             for word in message.split(":", 1)[1].split():
                 flag = word.split("=", 1)[0]
                 if flag.startswith("--"):
-                    close = FLAG_HINTS.get(flag) or next(iter(difflib.get_close_matches(flag, known, 1)), None)
+                    close = FLAG_HINTS.get(flag) or next(
+                        iter(difflib.get_close_matches(flag, known, 1)), None
+                    )
                     if close:
                         hints.append(f"{flag}: did you mean {close}?")
             message = "; ".join([message, *hints])

@@ -24,6 +24,7 @@ from target_service.logprobs import MAX_LOGPROBS
 from target_service.scheduler import NotAccepting, QueueFull, Request, Scheduler
 
 MAX_REQUEST_ID = 128
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 INLINE_TEXT = 4096  # longer text prompts (and chat templates) are tokenized off the event loop
 
 
@@ -93,6 +94,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         for i, m in enumerate(messages):
             if not m.role:
                 raise InvalidRequest(f"messages[{i}].role: required")
+            if m.role not in CHAT_ROLES:
+                raise InvalidRequest(f"messages[{i}].role: {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
         try:
             return list(
                 self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])

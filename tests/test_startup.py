@@ -147,15 +147,12 @@ def test_target_port_health_and_metrics_answer_while_the_model_loads(demo_models
                     client.generate([1, 2, 3], max_new_tokens=2)
                 with pytest.raises(DeadlineExceededError, match="NOT_SERVING"):
                     client.wait_ready(timeout=0.3)
-            waited = subprocess.run(
-                [sys.executable, "-m", "specsplit.cli", "health", "--target", target.address, "--wait", "0.3"],
-                capture_output=True, text=True, cwd=REPO, timeout=60,
-            )  # fmt: skip
+            health_cli = [sys.executable, "-m", "specsplit.cli", "health", "--target", target.address]
+            waited = subprocess.run([*health_cli, "--wait", "0.3"], capture_output=True, text=True, cwd=REPO,
+                                    timeout=60)  # fmt: skip
             assert waited.returncode == 3 and "NOT_SERVING" in waited.stdout, waited
-            cli = subprocess.Popen(
-                [sys.executable, "-m", "specsplit.cli", "health", "--target", target.address, "--wait", "120"],
-                stdout=subprocess.PIPE, text=True, cwd=REPO,
-            )  # fmt: skip
+            cli = subprocess.Popen([*health_cli, "--wait", "120"], stdout=subprocess.PIPE, text=True,
+                                   cwd=REPO)  # fmt: skip
             gate.touch()
             with Client(target.address) as client:
                 client.wait_ready(timeout=120)
