@@ -91,6 +91,7 @@ class SpeculationPolicy:
         self.refresh_age: dict[tuple[int, int], int] = {}  # (bucket, k) -> its wait (default REFRESH_AGE)
         self.last_k: int | None = None  # the k chosen for the last step (None: none chosen yet)
         self.off_reason = ""  # why the last step chose k = 0 though the batch allowed more ("": it did not)
+        self.allowed_k = 0  # the largest k a request of the last step's batch allowed
 
     @property
     def prior_alpha(self) -> float:
@@ -120,7 +121,7 @@ class SpeculationPolicy:
         )
 
     def _choose(self, batch: Sequence[Request]) -> int:
-        max_k = max((r.k for r in batch), default=0)
+        max_k = self.allowed_k = max((r.k for r in batch), default=0)
         self.gated = False  # the step this chooses for is one of the gate's (observe_step)
         if self.mode == FIXED or max_k == 0:
             return max_k

@@ -282,12 +282,12 @@ class Scheduler:
 
     def _ask(self, batch: list[Request], subset: list[Request] | None = None) -> None:
         """Ask the draft for the policy's k (chosen for the whole batch) for `subset` (default: all)."""
-        k = 0
+        k, reason = 0, ""
         if self.session.attached:
             k = self._safely("the speculation policy", self.policy.choose, 0, batch)
             reason = self.policy.off_reason if not k else ""
-        else:
-            reason = NO_DRAFT if self.link is not None else ""
+            if not self.session.connected and self.policy.allowed_k:
+                reason = NO_DRAFT
         if self.branch_gate is not None:
             # One gate explores at a time (ModeGate.exploring): a try of speculation runs beside the
             # branches' better mode, not beside a try of theirs.
@@ -298,7 +298,7 @@ class Scheduler:
         if subset is None:
             self.metrics.step_k.observe(k)
             self.asked_k = k
-            if reason != self.not_drafting:
+            if reason != self.not_drafting and batch:  # an empty batch keeps the last one's (usage)
                 self.not_drafting = reason
                 self.metrics.set_not_drafting(reason)
 

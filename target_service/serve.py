@@ -1,0 +1,98 @@
+"""`specsplit serve MODEL`: one command that serves a model, as `vllm serve MODEL` does.
+
+It runs the target service with its draft inside the same process (`--draft DRAFT`, the target's
+--draft-local: one GPU, no gRPC hop between them) or talking to draft services (`--draft-address`), the
+OpenAI-compatible HTTP API on --http-port (8000) beside gRPC (50051) and /metrics (9400), on the GPU in
+bfloat16 when there is one (`--device auto`), else on the CPU in float32. Every other flag is the target
+service's (`specsplit serve-target --help`), e.g. --speculation-policy, --num-speculative-tokens,
+--auth-token-file, --served-model-name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.gguf import find_gguf
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: str
+    draft: str = ""  # a draft made for it, when the model's source names one ("": none)
+
+
+def resolve_model(name: str) -> ResolvedModel:
+    """MODEL as given: a checkpoint directory (config.json + safetensors), a .gguf file, or a directory
+    holding one. Raises ValueError naming the argument when it is none of these."""
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ResolvedModel(str(path))
+    if path.is_dir() and ((path / "config.json").is_file() or find_gguf(path) is not None):
+        return ResolvedModel(str(path))
+    if path.exists():
+        raise ValueError(f"MODEL: {name} is neither a checkpoint directory (config.json) nor a .gguf file")
+    raise ValueError(
+        f"MODEL: {name}: no such file or directory (give a checkpoint directory or a .gguf file)"
+    )
+
+
+def resolve_device(device: str, dtype: str) -> tuple[str, str]:
+    """`auto`: cuda in bfloat16 when a GPU is visible, else cpu in float32; a dtype of `auto` follows
+    the device (bfloat16 on cuda, float32 on cpu)."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    return device, dtype
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specsplit serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Any other flag goes to the target service: see `specsplit serve-target --help`.",
+    )
+    parser.add_argument("model", metavar="MODEL", help="checkpoint directory or .gguf file")
+    parser.add_argument("--draft", default="", help="draft checkpoint, run inside the target process")
+    parser.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="auto: bfloat16 on cuda, float32 on cpu")  # fmt: skip
+    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API (-1: off)")
+    return parser
+
+
+def target_argv(argv: list[str]) -> list[str]:
+    """The target service's flags for `specsplit serve` ARGV. Raises ValueError naming the argument."""
+    args, rest = build_parser().parse_known_args(argv)
+    model = resolve_model(args.model)
+    draft = args.draft or model.draft
+    if draft and any(flag.split("=")[0] == "--draft-address" for flag in rest):
+        raise ValueError("--draft: give either --draft (in this process) or --draft-address, not both")
+    device, dtype = resolve_device(args.device, args.dtype)
+    out = ["--model", model.path, "--device", device, "--dtype", dtype, "--http-port", str(args.http_port)]
+    if draft:
+        out += ["--draft-local", shlex.join(["--model", draft])]
+    return out + rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    from target_service.__main__ import main as serve_target
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        target = target_argv(argv)
+    except ValueError as exc:
+        build_parser().error(str(exc))
+    return serve_target(target)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
