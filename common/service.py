@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.distributed import comm_stats
 from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
-from common.lifecycle import freeze_startup_heap, install_drain_handler
+from common.lifecycle import freeze_startup_heap, install_drain_handler, release_startup_heap
 from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_server
 from common.settings import ServiceConfig
 
@@ -158,6 +158,7 @@ def serve_until_drained(drain: Callable[[], None]) -> None:
 
     install_drain_handler(run_drain)
     stopped.wait()
+    release_startup_heap()
 
 
 @dataclass

@@ -111,6 +111,7 @@ def test_health_and_metrics_answer_while_the_model_loads(demo_models, tmp_path):
                     draft_pb2.GetDraftInfoRequest(), timeout=5
                 )
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert draft.stop() == 0 and "leaked" not in draft.log_text(), draft.log_text()[-2000:]
     finally:
         gate.touch()
         draft.stop()
@@ -165,6 +166,8 @@ def test_target_port_health_and_metrics_answer_while_the_model_loads(demo_models
         # The target's heap is frozen too (its front is the asyncio one, common/aio_front.py).
         frozen = re.search(r"start-up heap frozen: (\d+) objects", target.log_text())
         assert frozen and int(frozen.group(1)) > 10_000, target.log_text()[-2000:]
+        # A clean shutdown: nothing reported "leaked" (frozen start-up objects are released first).
+        assert target.stop() == 0 and "leaked" not in target.log_text(), target.log_text()[-2000:]
         # Loading shows its progress: tensors, bytes, seconds.
         assert re.search(r"loading \S+: (\d+)/\1 tensors, [\d.]+/[\d.]+ MB, [\d.]+ s", target.log_text())
     finally:
