@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -454,7 +455,14 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise
 
 
+CLIENT_TOOLS = {"bench-serve"}  # the other DISPATCH commands run or make models: the servers' packages
+
+
 def _dispatch(command: str, argv: list[str]) -> int:
+    if command not in CLIENT_TOOLS and importlib.util.find_spec("target_service") is None:
+        sys.stderr.write(f"specsplit {command}: a server command, and this is a client-only install: "
+                         "pip install 'specsplit[serve]'\n")  # fmt: skip
+        return EXIT_ERROR
     try:
         module = importlib.import_module(DISPATCH[command][0])
     except ModuleNotFoundError as exc:  # a client-only install: the servers need the extra
