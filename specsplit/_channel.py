@@ -211,6 +211,6 @@ def unreachable_message(target: str) -> str:
 
 def wrong_service_message(target: str) -> str:
     return (
-        f"{target}: this is a draft service ({DRAFT_SERVICE}), not a target; point the client at the "
-        "target service (default port 50051)"
+        f"{target}: this is a draft service, not a target (it serves {DRAFT_SERVICE}); point the client "
+        "at the target service (default port 50051)"
     )
