@@ -7,8 +7,7 @@ that slice is read (safe_open + get_slice), so no rank ever materialises a full 
 from __future__ import annotations
 
 import json
-import logging
-import time
+import sys
 from pathlib import Path
 
 import torch
@@ -27,7 +26,6 @@ from common.tp_executor import rank_device
 __all__ = ["Tokenizer", "check_local_argmax", "load_model", "load_tokenizer"]
 
 DRAFT_SAMPLING_MODES = ("greedy", "sampled")
-log = logging.getLogger("specsplit")
 
 
 class CheckpointFiles:
@@ -91,26 +89,6 @@ def load_param(files: CheckpointFiles | GGUFCheckpoint, name: str, param: nn.Par
         param.data.narrow(spec.dim, 0, rows).copy_(sl[tuple(index)])
 
 
-class LoadProgress:
-    """Logs a load's progress (tensors, bytes, seconds) every PROGRESS_EVERY seconds and at its end: a
-    long load shows it is moving, in the service's log (text or JSON) rather than on a terminal only."""
-
-    PROGRESS_EVERY = 2.0
-
-    def __init__(self, name: str, tensors: int, total_bytes: int):
-        self.name, self.tensors, self.total_bytes = name, tensors, total_bytes
-        self.done_bytes = 0
-        self.start = self.last = time.perf_counter()
-
-    def update(self, done: int, nbytes: int) -> None:
-        self.done_bytes += nbytes
-        now = time.perf_counter()
-        if now - self.last >= self.PROGRESS_EVERY or done == self.tensors:
-            self.last = now
-            log.info("loading %s: %d/%d tensors, %.1f/%.1f MB, %.1f s", self.name, done, self.tensors,
-                     self.done_bytes / 1e6, self.total_bytes / 1e6, now - self.start)  # fmt: skip
-
-
 def check_draft_sampling(use_local_argmax_reduction: bool, draft_sampling: str) -> None:
     """Local argmax yields only the top id: it cannot serve probabilistic drafting."""
     if draft_sampling not in DRAFT_SAMPLING_MODES:
@@ -133,9 +111,9 @@ def check_local_argmax(model: nn.Module, use_local_argmax_reduction: bool, draft
 
 def load_service_model(config, comm: Comm, **kwargs) -> tuple[torch.device, Transformer]:
     """A service's model (`config`: a ServiceConfig) on this rank's device in its dtype, the progress
-    lines on rank 0 only: (device, model). kwargs go to load_model (the draft's head and argmax modes)."""
+    bar on rank 0 only: (device, model). kwargs go to load_model (the draft's head and argmax modes)."""
     device = rank_device(config.device, comm.rank)
-    progress = comm.rank == 0
+    progress = comm.rank == 0 and config.log_format == "text"
     dtype = DTYPES[config.dtype]
     return device, load_model(config.model, comm, device=device, dtype=dtype, progress=progress, **kwargs)
 
@@ -168,12 +146,13 @@ def load_model(
     # A trained draft stores only its own tensors and reads the shared ones from its target.
     files = with_shared_weights(path, files)
     params = list(model.named_parameters())
-    shown = LoadProgress(path.name, len(params), sum(p.numel() * p.element_size() for _, p in params))
     for i, (name, param) in enumerate(params):
         for part_name, part in checkpoint_parts(name, param):  # merged qkv / gate_up: one per part
             load_param(files, part_name, part)
         if progress:
-            shown.update(i + 1, param.numel() * param.element_size())
+            print(f"\rloading {path.name}: {i + 1}/{len(params)} tensors", end="", file=sys.stderr)
+    if progress:
+        print(file=sys.stderr)
     check_local_argmax(model, use_local_argmax_reduction, draft_sampling)
     model.use_local_argmax_reduction = use_local_argmax_reduction
     return model.eval()
