@@ -19,6 +19,7 @@ from common.distributed import Comm
 from common.draft_checkpoint import with_shared_weights
 from common.gguf import GGUFCheckpoint, find_gguf, open_gguf
 from common.layers.shard import checkpoint_parts
+from common.models.feature_draft import FeatureDraft
 from common.models.transformer import Transformer
 from common.tokenizer import Tokenizer, load_tokenizer
 from common.tp_executor import rank_device
@@ -142,7 +143,8 @@ def load_model(
             nn.Module(), use_local_argmax_reduction, draft_sampling
         )  # fail before reading weights
     config, files = open_checkpoint(path)
-    model = Transformer(config, comm, markov_head_mode, replicate_lm_head, dtype, device)
+    model_class = FeatureDraft if config.feature_layers else Transformer
+    model = model_class(config, comm, markov_head_mode, replicate_lm_head, dtype, device)
     # A trained draft stores only its own tensors and reads the shared ones from its target.
     files = with_shared_weights(path, files)
     params = list(model.named_parameters())

@@ -89,6 +89,12 @@ class DraftRunner:
         )
         # Room for the drafted tokens and a draft-ahead round past the context limit.
         self.max_len = config.max_context_length + 2 * config.max_speculative_tokens + 4
+        # A feature draft drafts from the target's features of committed tokens only: no branches, no
+        # draft-ahead (both draft past a verdict the target has not computed features for).
+        self.feature_layers = self.model.config.feature_layers
+        if self.feature_layers and (config.draft_branches or config.draft_ahead):
+            log.info("feature draft: no branches and no draft-ahead")
+            config.draft_branches = config.draft_ahead = False
         # One slot per request, a scratch slot for the padded rows of static-shape steps, then the
         # branch slots.
         self.top2 = config.draft_branches and config.draft_sampling == "greedy"
@@ -100,12 +106,25 @@ class DraftRunner:
         self.executor = TPExecutor(comm, {"draft_round": self.draft_round, "copy_kv": self.copy_kv})
         # Branch rounds batch up to every branch slot: their batch buckets are captured too.
         max_rows = max(config.max_batch_size, self.num_branch_slots)
-        self.rounds = GreedyRounds(self, config.max_batch_size, max_rows, config.cuda_graphs)
-        # Every round the default k produces (k + 1 for draft-ahead), catch-up of 1 or 2 tokens. Sampled
-        # drafting never replays a greedy round: it only needs the eager warm-up round.
-        ks = range(1, config.num_speculative_tokens + 2)
-        self.graphs = self.rounds.warm_up(ks, (1, 2), capture_graphs=config.draft_sampling == "greedy")
-        warm_eager_shapes(self.model, self.cache, config.max_batch_size)  # catch-ups and starts
+        if self.feature_layers:
+            from draft_service.feature_rounds import FeatureRounds
+
+            self.rounds: GreedyRounds = FeatureRounds(
+                self, config.max_batch_size, max_rows, config.cuda_graphs
+            )
+            # The default k after any verdict (1..k + 1 tokens); other ks are captured when first asked.
+            ks, widths = (
+                [config.num_speculative_tokens],
+                self.rounds.widths[: config.num_speculative_tokens + 1],
+            )
+        else:
+            self.rounds = GreedyRounds(self, config.max_batch_size, max_rows, config.cuda_graphs)
+            # Every round the default k produces (k + 1 for draft-ahead), catch-up of 1 or 2 tokens.
+            ks, widths = list(range(1, config.num_speculative_tokens + 2)), (1, 2)
+        # Sampled drafting never replays a greedy round: it only needs the eager warm-up round.
+        self.graphs = self.rounds.warm_up(ks, widths, capture_graphs=config.draft_sampling == "greedy")
+        # catch-ups and starts
+        warm_eager_shapes(self.model, self.cache, config.max_batch_size, self.rounds.eager_forward)
 
     def pick_greedy(
         self, hidden: torch.Tensor, prev: torch.Tensor
@@ -173,11 +192,17 @@ class DraftRunner:
         seeds: list[int],
         prefix_slots: list[int],
         prefix_len: list[int],
+        feature_writes: list | tuple = (),
     ) -> RoundOutput:
         """rows[b]: pending target-vocab ids appended at starts[b]; returns k drafted tokens per row.
         Branch rows (greedy only) read positions < prefix_len[b] from slot prefix_slots[b]; empty lists:
-        no branch rows."""
+        no branch rows. feature_writes (a feature draft): (slot, first position, rows [n, F]) to store
+        before the round reads them."""
+        if feature_writes:
+            self.rounds.write(feature_writes)
         sampled_rows = self.config.draft_sampling == "sampled" and any(t > 0 for t in temperatures)
+        if sampled_rows and self.feature_layers:
+            return self.rounds.sampled(rows, starts, slots, k, temperatures, seeds)
         if not sampled_rows:
             tokens, seconds = self.rounds.run(rows, starts, slots, k, prefix_slots, prefix_len)
             return RoundOutput(tokens, seconds=seconds)
@@ -242,6 +267,10 @@ class GreedyRounds:
         # Catch-ups are requests' own rows (never branch rows): batch buckets up to max_batch.
         self.catch_up = StaticStep(self._catch_up_forward, max_batch, runner.max_len, self.scratch_slot,
                                    self.device, self.use_graphs, copy_output=False)  # fmt: skip
+
+    def eager_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: int):
+        """The forward a catch-up runs (warmed for every eager shape at start-up)."""
+        return self._catch_up_forward(ids, pos, slots, ctx)
 
     def _catch_up_forward(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, ctx: int):
         """ids/pos [B, W], slots [B]: writes the KV of the tokens (the hidden states are not needed)."""
@@ -318,7 +347,7 @@ class GreedyRounds:
             batch = pack([e[0] for e in early], [e[1] for e in early], [e[2] for e in early], self.device,
                          r.max_len)  # fmt: skip
             with eager_shapes():
-                r.model(batch.input_ids, batch.positions, batch.slots, r.cache, batch.ctx_len)
+                self._catch_up_forward(batch.input_ids, batch.positions, batch.slots, batch.ctx_len)
             return
         # Every chunk's inputs in one host array and one copy: built per chunk from Python lists they
         # cost more host time than the chunks' GPU time (B=64, 241 tokens: 13.8 ms for 7.0 ms of kernels).

@@ -44,6 +44,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.engine_lock = threading.Lock()  # one model, many target streams
         self.streams = 0
         self.max_target_id = -1
+        # In the target's process (target_service/draft_local.py): its FeatureStore, read on the device.
+        self.target_features = None
 
     def update_gauges(self) -> None:
         self.metrics.kv_slots_used.set(self.state.slots.num_used)
@@ -95,4 +97,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             draft_ahead_misses=self.state.ahead_misses,
             max_batch_size=self.config.max_batch_size,
             free_slots=self.state.slots.num_free,
+            feature_layers=list(self.state.runner.feature_layers or ()),
+            feature_size=self.state.runner.model.config.feature_size,
         )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from common.features import FEATURE_PROTOCOL, from_wire
 from draft_service.state import DraftRequest, Proposal
 from specsplit.v1 import draft_pb2
 
@@ -77,6 +78,13 @@ class DraftStream:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"target_vocab_size: {msg.target_vocab_size} is smaller than the draft's vocabulary "
                 f"({draft.max_target_id + 1})",
+            )
+        if draft.state.reads_features and msg.protocol_version < FEATURE_PROTOCOL:
+            raise StreamError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol_version: {msg.protocol_version}; this draft reads the target's features "
+                f"(feature_layers {list(draft.state.runner.feature_layers)}): it needs a target of protocol "
+                f"version {FEATURE_PROTOCOL} started with --draft-feature-layers",
             )
         self._check(msg)
         with draft.engine_lock:
@@ -152,11 +160,21 @@ class DraftStream:
                 )
             except RuntimeError:  # out of KV slots: this request is not drafted for; the target re-sends it
                 unknown.append(s.request_id)
+                continue
+            if state.reads_features:
+                req = reqs[s.request_id]
+                req.target_slot = s.target_slot if s.HasField("target_slot") else -1
+                state.add_features(req, 0, self._features(req, 0, len(s.token_ids) - 1, s.features, "starts"))
         for v in msg.verdicts:
             if v.request_id not in reqs:
                 unknown.append(v.request_id)
                 continue
-            hit = state.apply_verdict(reqs[v.request_id], v.start, list(v.token_ids))
+            req = reqs[v.request_id]
+            if state.reads_features:
+                first = max(v.start - 1, 0)
+                rows = self._features(req, first, v.start + len(v.token_ids) - 1, v.features, "verdicts")
+                state.add_features(req, first, rows)
+            hit = state.apply_verdict(req, v.start, list(v.token_ids))
             if hit is True:
                 metrics.draft_ahead_hits.inc()
             elif hit is False:
@@ -188,6 +206,25 @@ class DraftStream:
             free_slots=state.slots.num_free,  # targets sharing this draft place requests by it
         )
         return response, (targets, proposals) if targets else None
+
+    def _features(self, req: DraftRequest, first: int, end: int, data: bytes, field: str):
+        """The target's features of positions first..end - 1 for `req`: copied on the device from the
+        target's store (in its process) or read from the message's bytes (bf16 rows)."""
+        store = self.draft.target_features
+        if req.target_slot >= 0 and store is not None:
+            return store.data[req.target_slot, first:end]
+        size = self.draft.state.runner.model.config.feature_size
+        try:
+            rows = from_wire(data, size, f"{field}.features")
+        except ValueError as exc:
+            raise StreamError(INVALID, str(exc)) from exc
+        if len(rows) != max(end - first, 0):
+            raise StreamError(
+                INVALID,
+                f"{field}.features: {len(rows)} rows for request {req.request_id}, expected {end - first} "
+                "(one per position before each new token)",
+            )
+        return rows
 
     def _to_pb(self, request_id: int, p: Proposal) -> draft_pb2.Proposal:
         return draft_pb2.Proposal(

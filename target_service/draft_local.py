@@ -16,10 +16,13 @@ import shlex
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from common.config import ModelConfig
 from common.distributed import init_tp
+from common.features import FeatureStore
 from common.kv_cache import SlotTable
 from common.metrics import ServiceMetrics, start_metrics_server
 from common.service import model_label, service_metrics
@@ -49,11 +52,25 @@ def local_draft_config(target: TargetConfig) -> DraftConfig:
     return parse_config(DraftConfig, argv, "--draft-local", env=False)
 
 
+def draft_feature_layers(model: str) -> str:
+    """A feature draft's feature_layers as --draft-feature-layers takes them ("" for any other draft)."""
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        return ""
+    layers = ModelConfig.from_pretrained(path).feature_layers
+    return ",".join(map(str, layers or ()))
+
+
 class LocalDraft(StreamLink):
     in_process = True  # the scheduler streams no tokens while it waits for this draft's round
 
     def __init__(
-        self, config: DraftConfig, metrics: ServiceMetrics, target_vocab_size: int, target_gpus: Sequence[str]
+        self,
+        config: DraftConfig,
+        metrics: ServiceMetrics,
+        target_vocab_size: int,
+        target_gpus: Sequence[str],
+        features: FeatureStore | None = None,
     ):
         """Loads the draft and captures its graphs (before the target serves: a capture must not overlap
         the target's kernels); `metrics` are the target's, the draft's own go to their own registry."""
@@ -75,6 +92,7 @@ class LocalDraft(StreamLink):
         self.draft = DraftServicer(config, state, self.draft_metrics, model_label(config), mc.vocab_size, 1,
                                    mc.markov_rank > 0, tp_gpu_uuids(config.device, 1))  # fmt: skip
         self.draft.max_target_id = max_target_id
+        self.draft.target_features = features  # a feature draft copies the target's on the device
         self.info = self.draft.GetDraftInfo(draft_pb2.GetDraftInfoRequest(), None)
         self.metrics_port = -1
         try:
@@ -85,7 +103,8 @@ class LocalDraft(StreamLink):
         self.draft_metrics.ready.set(1)
         self.runner = runner
         self._stream: DraftStream | None = None  # the stream the draft's thread serves now
-        self.chaining = True  # off after a chained round failed to launch
+        # Off after a chained round failed to launch; a feature draft's round needs the verdict's features.
+        self.chaining = not runner.feature_layers
         self.chained: ChainedRound | None = None  # the latest chained round, until the next ask takes it
         self.chained_epoch = 0
         # Steps of the messages sent and of those the draft's thread has handled, and the one ask held

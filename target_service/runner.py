@@ -25,6 +25,7 @@ import torch
 from common.batch import pack
 from common.cuda_graphs import buckets, capture, warm_eager_shapes
 from common.distributed import Comm, add_comm_stats
+from common.features import FeatureStore, parse_ints
 from common.kernels import skinny
 from common.kernels.fused import eager_shapes
 from common.kernels.rejection import verify
@@ -183,6 +184,16 @@ class TargetRunner:
         # One slot per request plus a scratch slot for the padded rows of static-shape steps.
         self.scratch_slot = config.max_batch_size
         self.cache = KVCache.for_model(self.model, config.max_batch_size + 1, self.max_len)
+        # A feature draft's features: written by every forward (the graphs too), rank 0 hands them over.
+        layers = parse_ints(config.draft_feature_layers, "--draft-feature-layers")
+        if layers and comm.rank == 0:
+            if max(layers) >= mc.num_hidden_layers:
+                raise ValueError(f"--draft-feature-layers: {max(layers)} is not a layer of the target "
+                                 f"(0..{mc.num_hidden_layers - 1})")  # fmt: skip
+            p = self.model.model.embed_tokens.weight
+            self.model.feature_store = FeatureStore(
+                layers, mc.hidden_size, self.cache.num_slots, self.max_len, p.dtype, p.device
+            )
         self.batch_buckets = buckets(config.max_batch_size)
         self.ctx_buckets = buckets(self.max_len, min(CTX_MIN, self.max_len))
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"

@@ -72,7 +72,7 @@ class Scheduler:
         self.metrics = metrics
         self.link = link
         self.eos_ids = eos_ids
-        self.session = DraftSession(link, metrics, config.draft_timeout)
+        self.session = DraftSession(link, metrics, config.draft_timeout, runner.model.feature_store)
         self.costs = StepCosts(runner.batch_buckets)
         for (batch, width), seconds in runner.step_costs.items():
             self.costs.observe_startup_verify(batch, width, seconds)
