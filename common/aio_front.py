@@ -19,13 +19,13 @@ from concurrent.futures import Future
 from typing import Any
 
 import grpc
-from google.protobuf.descriptor import ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.grpc_util import SERVER_OPTIONS, add_port, allowed, denial, read_token
 from common.lifecycle import freeze_startup_heap
 from common.metrics import start_metrics_server
+from common.service import LOADING, PendingServicer
 from common.settings import ServiceConfig
 
 log = logging.getLogger("specsplit")
@@ -115,25 +115,15 @@ def _deliver_all(batch: list[tuple[StreamOut, Any]]) -> None:
         out._deliver(item)
 
 
-class PendingAioServicer:
-    """Stands in for the servicer until `attach`: every RPC answers UNAVAILABLE ("the model is loading")
-    before that, so the port and health (NOT_SERVING) come up before the model loads (the asyncio twin of
-    common.service.PendingServicer). One coroutine per RPC of `service`; a streaming RPC's servicer
-    writes with `context.write`, so forwarding is one await either way."""
-
-    def __init__(self, service: ServiceDescriptor):
-        self._servicer: Any = None
-        for method in service.methods:
-            setattr(self, method.name, self._forward(method.name))
-
-    def attach(self, servicer: object) -> None:
-        self._servicer = servicer
+class PendingAioServicer(PendingServicer):
+    """PendingServicer for the asyncio server: every RPC answers UNAVAILABLE ("the model is loading")
+    until `attach`. A streaming RPC's servicer writes with `context.write`, so forwarding is one await."""
 
     def _forward(self, name: str) -> Callable:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
             servicer = self._servicer
             if servicer is None:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is loading; retry when ready")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, LOADING)
             return await getattr(servicer, name)(request, context)
 
         return call

@@ -28,6 +28,7 @@ from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_
 from common.settings import ServiceConfig
 
 log = logging.getLogger("specsplit")
+LOADING = "the model is loading; retry when ready"  # UNAVAILABLE's details before the model is loaded
 
 
 class PendingServicer:
@@ -49,7 +50,7 @@ class PendingServicer:
         def call(request: Any, context: grpc.ServicerContext) -> Any:
             servicer = self._servicer
             if servicer is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+                context.abort(grpc.StatusCode.UNAVAILABLE, LOADING)
             return getattr(servicer, name)(request, context)
 
         return call

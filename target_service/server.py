@@ -16,6 +16,7 @@ import grpc
 
 from common.aio_front import StreamOut
 from common.metrics import ServiceMetrics
+from common.service import LOADING
 from common.tokenizer import ChatTemplateError
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
@@ -194,7 +195,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Generate(self, request: target_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         self.metrics.count_grpc_message("received", "generate_request", request.ByteSize())
         if not self.ready:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the model is loading; retry when ready")
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, LOADING)
         task = asyncio.current_task()
         assert task is not None
 

@@ -169,7 +169,8 @@ def test_target_port_health_and_metrics_answer_while_the_model_loads(demo_models
         # A clean shutdown: nothing reported "leaked" (frozen start-up objects are released first).
         assert target.stop() == 0 and "leaked" not in target.log_text(), target.log_text()[-2000:]
         # Loading shows its progress in the log (common/loader.py).
-        assert re.search(r"load(ing|ed) \S+: (\d+/)?\d+ tensors", target.log_text()), target.log_text()[-2000:]
+        log_text = target.log_text()
+        assert re.search(r"load(ing|ed) \S+: (\d+/)?\d+ tensors", log_text), log_text[-2000:]
     finally:
         gate.touch()
         target.stop()
