@@ -10,11 +10,13 @@ finish: SERVING, ready 1, real answers. The hook delays; the service's own code 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -128,13 +130,20 @@ def test_target_port_health_and_metrics_answer_while_the_model_loads(demo_models
     env = {"SPECSPLIT_TEST_LOAD_GATE": str(gate), "PYTHONPATH": path}
     health_port = free_port()
     args = ["--model", str(demo_models.target), "--health-port", str(health_port),
-            "--served-model-name", "my-target", "--verify-backend", "torch"]  # fmt: skip
+            "--served-model-name", "my-target", "--verify-backend", "torch", "--http-port", "0"]  # fmt: skip
     target = start_service("target_service", args, tmp_path / "target.log", env=env)
     try:
         wait_for(lambda: "loading target model" in target.log_text(), 120, "the load to start")
         wait_for(lambda: _answers(target.metrics_port), 30, "/metrics during the load")
         assert "SPECSPLIT_READY" not in target.log_text()
         assert ready_gauge(target.metrics_port) == {"my-target": 0.0}
+        # The HTTP API is up too: 503 in OpenAI's error shape, naming the load.
+        http_port = re.search(r"SPECSPLIT_HTTP port=(\d+)", target.log_text()).group(1)
+        http = f"http://127.0.0.1:{http_port}"
+        assert http_status(http + "/health") == (503, {"status": "NOT_SERVING"})
+        body = {"model": "my-target", "prompt": "hi", "max_tokens": 2}
+        status, error = http_status(http + "/v1/completions", body)
+        assert status == 503 and "model is loading" in error["error"]["message"], error
         with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain, \
                 grpc.insecure_channel(target.address) as main:  # fmt: skip
             assert health(plain) == NOT_SERVING
@@ -163,6 +172,9 @@ def test_target_port_health_and_metrics_answer_while_the_model_loads(demo_models
             assert "SPECSPLIT_READY" in target.log_text()
             assert health(plain) == SERVING and health(main) == SERVING
         assert ready_gauge(target.metrics_port) == {"my-target": 1.0}
+        assert http_status(http + "/health") == (200, {"status": "SERVING"})
+        status, completion = http_status(http + "/v1/completions", body)
+        assert status == 200 and completion["usage"]["completion_tokens"] >= 1, completion
         # The target's heap is frozen too (its front is the asyncio one, common/aio_front.py).
         frozen = re.search(r"start-up heap frozen: (\d+) objects", target.log_text())
         assert frozen and int(frozen.group(1)) > 10_000, target.log_text()[-2000:]
@@ -179,6 +191,17 @@ def test_target_port_health_and_metrics_answer_while_the_model_loads(demo_models
 async def _async_wait_ready(address: str) -> None:
     async with AsyncClient(address) as client:
         await client.wait_ready(timeout=60)
+
+
+def http_status(url: str, body: dict | None = None) -> tuple[int, dict]:
+    """(HTTP status, JSON body) of a GET, or of a POST of `body`."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
 
 
 def _answers(metrics_port: int) -> bool:
