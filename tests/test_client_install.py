@@ -31,8 +31,6 @@ from service_util import running, start_draft, start_target
 
 from specsplit.launch import REPO
 
-pytestmark = pytest.mark.slow
-
 CLIENT_DEPS = {"grpcio", "protobuf", "grpcio-health-checking"}
 
 
@@ -77,6 +75,7 @@ def _client_venv(root: Path, wheel: Path) -> Path:
     return root, site
 
 
+@pytest.mark.slow
 def test_client_only_install(demo_models, tmp_path):
     wheel = _build_wheel(tmp_path / "dist")
     assert _requires(wheel) == CLIENT_DEPS, _requires(wheel)
@@ -147,3 +146,24 @@ print(spec.token_ids)
         assert hint.returncode == 2 and "did you mean --max-new-tokens" in hint.stderr, hint
         wrong = run(cli, "info", "--target", draft.address)
         assert wrong.returncode == 9 and "serves the draft service" in wrong.stderr, wrong
+
+
+def test_the_demo_installs_the_runtime_set_only():
+    """`make demo` installs requirements.txt (the services' runtime); `make test` adds the dev set on top.
+    The runtime set names none of the test and lint tools, and the dev set includes it whole."""
+    makefile = (REPO / "Makefile").read_text()
+    demo = re.search(r"^demo: (.*)$", makefile, re.M).group(1).split()
+    assert demo == ["$(RUNTIME)"], demo
+    runtime_recipe = makefile[makefile.index("$(RUNTIME):") : makefile.index("$(STAMP):")]
+    assert "-r requirements.txt" in runtime_recipe and "requirements-dev" not in runtime_recipe
+
+    def names(path: Path) -> set[str]:
+        lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
+        return {re.split(r"[<>=!~\[ ]", line, maxsplit=1)[0].lower() for line in lines if line}
+
+    runtime, dev = names(REPO / "requirements.txt"), names(REPO / "requirements-dev.txt")
+    tools = {"pytest", "pytest-xdist", "ruff", "mypy", "transformers", "accelerate", "hypothesis", "openai",
+             "scipy", "grpcio-tools"}  # fmt: skip
+    assert not runtime & tools and tools <= dev, (runtime & tools, tools - dev)
+    assert "-r requirements.txt" in (REPO / "requirements-dev.txt").read_text().splitlines()
+    assert {"torch", "grpcio", "starlette", "uvicorn", "gguf"} <= runtime
