@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("model", metavar="MODEL", help="checkpoint directory or .gguf file")
     parser.add_argument("--draft", default="", help="draft checkpoint, run inside the target process")
+    parser.add_argument("--draft-metrics-port", type=int, default=9401,
+                        help="/metrics of the in-process draft (0: a free one, -1: off)")  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="auto: bfloat16 on cuda, float32 on cpu")  # fmt: skip
@@ -77,7 +79,10 @@ def target_argv(argv: list[str]) -> list[str]:
     device, dtype = resolve_device(args.device, args.dtype)
     out = ["--model", model.path, "--device", device, "--dtype", dtype, "--http-port", str(args.http_port)]
     if draft:
-        out += ["--draft-local", shlex.join(["--model", draft])]
+        out += [
+            "--draft-local",
+            shlex.join(["--model", draft, "--metrics-port", str(args.draft_metrics_port)]),
+        ]
     return out + rest
 
 

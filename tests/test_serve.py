@@ -26,7 +26,7 @@ def test_target_argv(demo_models, tmp_path: Path) -> None:
     model, draft = str(demo_models.target), str(demo_models.draft)
     argv = serve.target_argv([model, "--draft", draft, "--device", "cpu", "--port", "1234"])
     assert argv == ["--model", model, "--device", "cpu", "--dtype", "float32", "--http-port", "8000",
-                    "--draft-local", f"--model {draft}", "--port", "1234"]  # fmt: skip
+                    "--draft-local", f"--model {draft} --metrics-port 9401", "--port", "1234"]  # fmt: skip
     with pytest.raises(ValueError, match=r"MODEL: .*no such file"):
         serve.target_argv([str(tmp_path / "nothing")])
     (tmp_path / "empty").mkdir()
@@ -53,7 +53,8 @@ def _http_models(log: str) -> list[str]:
 
 def test_serve_with_the_draft_in_process(demo_models, tmp_path: Path) -> None:
     args = [str(demo_models.target), "--draft", str(demo_models.draft), "--http-port", "0",
-            "--speculation-policy", "fixed", "--verify-backend", "torch"]  # fmt: skip
+            "--draft-metrics-port", "0", "--speculation-policy", "fixed",
+            "--verify-backend", "torch"]  # fmt: skip
     target = start_service("target_service.serve", args, tmp_path / "serve.log")
     with running(target.wait_ready()):
         with Client(target.address) as client:
