@@ -205,8 +205,13 @@ async def first_connect_aio(
     return state
 
 
-def unreachable_message(target: str) -> str:
-    return f"cannot connect to {target} (nothing listens there, or the name does not resolve)"
+def unreachable_message(target: str, tls: bool) -> str:
+    why = (
+        "nothing listens there, the name does not resolve, or the TLS handshake failed"
+        if tls
+        else ("nothing listens there, or the name does not resolve")
+    )
+    return f"cannot connect to {target} ({why})"
 
 
 def wrong_service_message(target: str) -> str:

@@ -152,7 +152,7 @@ class AsyncClient:
         wait = timeout if timeout is not None else self._settings.timeout
         state = await first_connect_aio(current.channel, wait)
         if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-            raise unreachable(self.target)
+            raise unreachable(self.target, self._tls)
         current.connected = state == grpc.ChannelConnectivity.READY
 
     async def _explain(self, error: APIError) -> APIError:

@@ -379,8 +379,8 @@ def closed_error(target: str) -> ClientClosedError:
     return ClientClosedError(f"the client of {target} is closed; create a new one")
 
 
-def unreachable(target: str) -> UnavailableError:
-    return UnavailableError(grpc.StatusCode.UNAVAILABLE, unreachable_message(target))
+def unreachable(target: str, tls: TLSConfig | None) -> UnavailableError:
+    return UnavailableError(grpc.StatusCode.UNAVAILABLE, unreachable_message(target, tls is not None))
 
 
 def wrong_service(target: str, error: APIError) -> WrongServiceError:
@@ -483,7 +483,8 @@ class Client:
     ) -> None:
         self.target = _text("target", target)
         self._settings = CallSettings(timeout, auth_metadata(auth_token), wait_for_ready)
-        self._channel = sync_channel(target, retry, resolve_tls(tls), tuple(channel_options))
+        self._tls = resolve_tls(tls)
+        self._channel = sync_channel(target, retry, self._tls, tuple(channel_options))
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
         # grpc_health's stub is untyped; the typed multicallable is the same RPC.
         self._health_check = self._channel.unary_unary(
@@ -507,7 +508,7 @@ class Client:
             return
         state = first_connect(self._channel, timeout if timeout is not None else self._settings.timeout)
         if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-            raise unreachable(self.target)
+            raise unreachable(self.target, self._tls)
         self._connected = state == grpc.ChannelConnectivity.READY
 
     def _explain(self, error: APIError) -> APIError:

@@ -388,9 +388,11 @@ def test_mtls_and_bearer_token(sdk_stack: Stack) -> None:
         c.model_info()
     # No client certificate, or no TLS at all: the handshake fails.
     for tls in (sdk_stack.certs.client_tls(with_client_cert=False), None):
-        with Client(target, tls=tls, auth_token=AUTH_TOKEN, retry=None) as c:
-            with pytest.raises(specsplit.UnavailableError):
+        with Client(target, tls=tls, auth_token=AUTH_TOKEN) as c:
+            with pytest.raises(specsplit.UnavailableError) as error:
                 c.model_info(timeout=5)
+        if tls is not None:
+            assert "TLS handshake" in error.value.details, error.value.details
 
     async def via_async() -> int:
         async with AsyncClient(target, tls=sdk_stack.certs.client_tls(), auth_token=AUTH_TOKEN) as aclient:
