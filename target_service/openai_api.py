@@ -41,7 +41,7 @@ from specsplit.errors import APIError, InvalidRequestError
 log = logging.getLogger("specsplit.http")
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-DEFAULT_CHAT_TOKENS = 512
+DEFAULT_CHAT_TOKENS = 512  # at most half the context: the prompt needs room too
 MAX_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI parameters this server cannot honour: refused by name rather than silently ignored, unless at
@@ -110,11 +110,11 @@ def invalid(param: str, message: str) -> OpenAIError:
 
 def from_api_error(error: APIError) -> OpenAIError:
     status, type_ = HTTP_STATUS.get(error.code, (500, "server_error"))
-    param = None
+    param, message = None, error.details
     if isinstance(error, InvalidRequestError) and error.field:
-        field_ = error.field
-        param = PARAM_OF_FIELD.get(field_, field_)
-    return OpenAIError(status, error.details, param, type_, error.code.name.lower())
+        param = PARAM_OF_FIELD.get(error.field, error.field)
+        message = message.replace(error.field, param)  # "max_new_tokens: ..." -> "max_tokens: ..."
+    return OpenAIError(status, message, param, type_, error.code.name.lower())
 
 
 # -- request parsing -------------------------------------------------------------------------------------
@@ -325,6 +325,13 @@ class Gateway:
     token: str | None
     text: TokenText = field(default_factory=TokenText)
     created: int = field(default_factory=lambda: int(time.time()))
+    chat_tokens: int = 0  # chat's default max_tokens, once the context length is known
+
+    async def default_chat_tokens(self) -> int:
+        if not self.chat_tokens:
+            context = (await self.client.model_info()).max_context_length
+            self.chat_tokens = max(1, min(DEFAULT_CHAT_TOKENS, context // 2))
+        return self.chat_tokens
 
     def check_auth(self, request: Request) -> None:
         if self.token is None:
@@ -388,7 +395,8 @@ async def completions(gw: Gateway, request: Request) -> Response:
 
 async def chat_completions(gw: Gateway, request: Request) -> Response:
     body = await gw.body(request)
-    options = generate_options(body, DEFAULT_CHAT_TOKENS, ("max_tokens", "max_completion_tokens"))
+    default = await gw.default_chat_tokens()
+    options = generate_options(body, default, ("max_tokens", "max_completion_tokens"))
     if _typed(body, "logprobs", (bool,), "a boolean", False):
         top = _typed(body, "top_logprobs", (int,), "an integer", 0)
         if not 0 <= top <= MAX_TOP_LOGPROBS:

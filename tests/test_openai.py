@@ -179,6 +179,7 @@ def test_errors_in_openais_shape(server: Server) -> None:
     with pytest.raises(openai.BadRequestError) as err:  # refused by the target (the context length)
         client.completions.create(model="tiny", prompt="hi", max_tokens=100000, stream=True)
     assert _error(err)["param"] == "max_tokens" and "context length" in _error(err)["message"]
+    assert _error(err)["message"].startswith("max_tokens: ")  # OpenAI's name, not the gRPC field's
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt="hi")
     assert _error(err)["code"] == "model_not_found"
@@ -226,3 +227,18 @@ def test_curl_example_of_the_docs(server: Server, tmp_path: Path) -> None:
     out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60, check=True)
     body = json.loads(out.stdout)
     assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"]
+
+
+def test_python_example_of_the_docs(server: Server, tmp_path: Path) -> None:
+    """docs/openai.md's openai-python example, as written there (the address and token substituted)."""
+    doc = (REPO / "docs" / "openai.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S).group(1)
+    code = code.replace("http://localhost:8000/v1", server.base_url).replace(
+        'api_key="TOKEN"', f"api_key={TOKEN!r}"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert float(first.split()[-1]) >= 0 and len(out.stdout) > len(first), out.stdout
