@@ -54,6 +54,7 @@ def resolve_device(device: str, dtype: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specsplit serve",
+        allow_abbrev=False,  # a target flag must never be taken for an abbreviation of one of these
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other flag goes to the target service: see `specsplit serve-target --help`.",
