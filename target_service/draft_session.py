@@ -32,9 +32,8 @@ import torch
 
 from common.features import FEATURE_PROTOCOL, FeatureStore, to_wire
 from common.metrics import ServiceMetrics
-from draft_service.runner import ChainedRound
 from specsplit.v1 import draft_pb2
-from target_service.draft_link import DraftLink
+from target_service.draft_link import ChainedRound, DraftLink
 from target_service.request import Request
 
 log = logging.getLogger("specsplit.target")
@@ -116,7 +115,7 @@ class DraftSession:
         self.link = link
         self.features = features  # the target's features, for a draft that reads them (common/features.py)
         self._feature_check: tuple[int, bool] = (-1, False)  # (epoch, whether the draft's layers match)
-        # The draft runs in this process (target_service/draft_local.py) and shares its GIL.
+        # The draft runs in this process (an InProcessDraft: draft_local.py) and shares its GIL.
         self.draft_in_process = bool(getattr(link, "in_process", False))
         self.metrics = metrics
         self.timeout = timeout
@@ -140,7 +139,7 @@ class DraftSession:
 
     def chain(self, batch: list[Request], drafts: list[list[int]], packed, width: int) -> None:
         """With the draft in this process: its next round for the greedy requests that verified drafts,
-        launched from the verify output `packed` on the device (LocalDraft.chain)."""
+        launched from the verify output `packed` on the device (InProcessDraft.chain)."""
         rows = [(i, req.draft.draft_id, d) for i, (req, d) in enumerate(zip(batch, drafts))
                 if d and req.temperature <= 0]  # fmt: skip
         if rows and self.link is not None and self.link.epoch == self.epoch:
@@ -269,8 +268,8 @@ class DraftSession:
         chained = link.take_chained(self.epoch) if self.draft_in_process else None
         ks = {}
         want = []
-        # A plain step (k = 0) asks for nothing unless a request pins its k: no per-request pass then. At
-        # B=64 on one H200 the adaptive target's plain steps ran ~4 % slower than a target without a draft.
+        # A plain step (k = 0) asks for nothing unless a request pins its k: no per-request pass then (at
+        # B=64 that pass made the adaptive target's plain steps ~4 % slower than a target without a draft).
         for r in batch if k > 0 or any(r.pinned_k for r in batch) else ():
             # A seeded sampled request keeps its own k: its output then depends on its seed alone, not
             # on the batch it shares (the policy's k does; greedy output never depends on k).
@@ -285,7 +284,7 @@ class DraftSession:
         msg = self._message(want, ks)
         if chained is not None and (msg.starts or any(rid not in chained.index for rid in ks)):
             chained = None
-        # An ask the chained round answers is held back on the draft's side (LocalDraft.send).
+        # An ask the chained round answers is held back on the draft's side (InProcessDraft.send).
         sent = link.send(msg, self.epoch, hold=True) if chained is not None else link.send(msg, self.epoch)
         if sent:
             longest = max(ks.values()) + 1

