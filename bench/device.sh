@@ -9,6 +9,9 @@
 #   bench/device.sh transfer                      rebuild a big file from the parts carried in .gguf/
 #   bench/device.sh sweep gemm|glu|stream [flags] the GEMM tile sweeps (bench/*_sweep.py)
 #   bench/device.sh train                         drafts/smollm2-135m-instruct/train.sh (after transfer)
+#   bench/device.sh feature-train                 drafts/smollm2-135m-instruct-feature/train.sh (after transfer)
+#   bench/device.sh feature [DRAFT]               SmolLM2 + a feature draft in the target, bench-serve
+#                                                 (CONFIGS="plain never" BATCHES="16 64": a subset)
 #
 # What the machine needs from here (the device tool's `carry`):
 #   .whl/   wheels the GPU image lacks, installed into $SITE when their module is missing there:
@@ -32,7 +35,7 @@ export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_ME
 mkdir -p "$OUT"
 
 usage() {
-  sed -n '2,11p' "$0" | cut -c3-
+  sed -n '2,14p' "$0" | cut -c3-
   exit 2
 }
 
@@ -159,10 +162,80 @@ train() {
   return "$(cat "$r/DONE")"
 }
 
+feature-train() {
+  [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first)"; return 4; }
+  GGUF=$GGUF RUN=/tmp/feat PY=$PY bash drafts/smollm2-135m-instruct-feature/train.sh 2>&1 \
+    | tr '\r' '\n' | grep -v 'it/s\]\|s/it\]' | tail -n 5
+  cp /tmp/feat/run/eval.json "$OUT/feature-eval.json"
+  tar -C /tmp/feat/run -cf "$OUT/feature-draft.tar" draft
+}
+
+# Four targets on the GPU at once, benchmarked one at a time: no draft (the baseline), the feature draft in
+# the target under the adaptive and the fixed (k = 4) policy, and adaptive with a draft that is never right
+# (the trained one with a zero final norm). 3 interleaved repeats of 1, 16 and 64 streams of the held-out
+# chat prompts (common/training/prompts.py, never trained on), each with --check-greedy.
+feature() {
+  [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first)"; return 4; }
+  local d=${1:-drafts/smollm2-135m-instruct-feature} r=/tmp/feature-bench
+  mkdir -p "$r/never" "$r/json" && cp "$d/config.json" "$r/never/"
+  $PY - "$d" "$r" "$GGUF" <<'PY'
+import json, sys, torch
+from safetensors.torch import load_file, save_file
+from common.loader import load_tokenizer
+from common.training.prompts import held_out_prompts
+draft, r, gguf = sys.argv[1:]
+t = load_file(f"{draft}/model.safetensors")
+t["model.norm.weight"] = torch.zeros_like(t["model.norm.weight"])  # every logit 0: it drafts token 0
+save_file(t, f"{r}/never/model.safetensors")
+tok = load_tokenizer(gguf)
+with open(f"{r}/chat.jsonl", "w") as f:
+    for text in held_out_prompts():
+        f.write(json.dumps({"prompt_ids": tok.apply_chat_template([{"role": "user", "content": text}])}) + "\n")
+PY
+  local common=(--model "$GGUF" --device cuda --dtype bfloat16 --max-batch-size 64 --metrics-port -1) pids=()
+  declare -A port=([plain]=50061 [adaptive]=50062 [fixed]=50063 [never]=50064)
+  $PY -m target_service "${common[@]}" --port 50061 > "$r/plain.log" 2>&1 & pids+=($!)
+  for cfg in ${CONFIGS:-adaptive fixed never}; do
+    [[ $cfg == plain ]] && continue
+    local model=$d policy=adaptive
+    [[ $cfg == never ]] && model=$r/never
+    [[ $cfg == fixed ]] && policy=fixed
+    $PY -m target_service "${common[@]}" --port "${port[$cfg]}" --draft-local "--model $model --metrics-port -1" \
+      --speculation-policy $policy > "$r/$cfg.log" 2>&1 & pids+=($!)
+  done
+  for cfg in ${CONFIGS:-plain adaptive fixed never}; do
+    for _ in $(seq 300); do $PY -m specsplit.cli health --target "localhost:${port[$cfg]}" >/dev/null 2>&1 && break; sleep 1; done
+  done
+  local configs=(${CONFIGS:-plain adaptive fixed never}) batches=(${BATCHES:-1 16 64})
+  for rep in 1 2 3; do for b in "${batches[@]}"; do for cfg in "${configs[@]}"; do
+    local n=$((b == 1 ? 12 : 2 * b))
+    ((b == 64)) && n=128
+    $PY -m specsplit.cli bench-serve --target "localhost:${port[$cfg]}" --dataset "$r/chat.jsonl" --num-prompts $n \
+      --max-concurrency $b --output-len 192 --no-ignore-eos --check-greedy --no-progress \
+      --result-json "$r/json/$cfg-b$b-r$rep.json" > /dev/null 2>&1
+  done; done; done
+  kill "${pids[@]}" 2>/dev/null
+  $PY - "$r/json" "$OUT/feature-bench.json" <<'PY'
+import glob, json, os, statistics, sys
+runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/*.json"))}
+json.dump(runs, open(sys.argv[2], "w"), indent=1)
+for cfg in ("adaptive", "fixed", "never"):
+    for b in (1, 16, 64):
+        if f"{cfg}-b{b}-r1" not in runs:
+            continue
+        x = [runs[f"{cfg}-b{b}-r{i}"]["output_throughput"] / runs[f"plain-b{b}-r{i}"]["output_throughput"]
+             for i in (1, 2, 3)]
+        print(cfg, b, "x plain:", [round(v, 3) for v in x], "median", round(statistics.median(x), 3))
+PY
+}
+
 verb=${1:-}
 shift || true
 case $verb in
   transfer) transfer ;;
-  e2e | real | kernels | profile | tests | sweep | train) install_wheels || exit 5; "$verb" "$@" ;;
+  e2e | real | kernels | profile | tests | sweep | train | feature-train | feature)
+    install_wheels || exit 5
+    "$verb" "$@"
+    ;;
   *) usage ;;
 esac

@@ -16,7 +16,7 @@ from common.batch import pack
 from common.features import FeatureStore
 from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
-from draft_service.rounds import ChainedRound, GreedyRounds, RoundOutput
+from draft_service.rounds import GreedyRounds, RoundOutput
 
 
 class FeatureRounds(GreedyRounds):
@@ -65,10 +65,7 @@ class FeatureRounds(GreedyRounds):
         emitted (the accepted drafts and the bonus, width up to the verify's) at the request's committed
         length on, with the features that verify wrote. Its row: [k drafted | the fed tokens | base]."""
         n = len(index)
-        events = None
-        if self.device.type == "cuda":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record(torch.cuda.current_stream(self.device))
+        events = self._start_timing()
         padded = next(b for b in self.batch_buckets if b >= n)
         max_len = self.runner.max_len
         ctx = next((c for c in self.ctx_buckets if c >= max(bases) + width + k + 1), self.ctx_buckets[-1])
@@ -87,13 +84,7 @@ class FeatureRounds(GreedyRounds):
         static["slots"][:n] = slot
         static["slots"][n:] = self.scratch_slot
         result = self._replay(static, padded, width, k, ctx)[:n, :k]
-        out = torch.cat([result, fed, base[:, None]], dim=1)
-        if events is None:
-            return ChainedRound(out, None, k)
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        events[1].record(torch.cuda.current_stream(self.device))
-        return ChainedRound(host, events, k)
+        return self._chained_result(torch.cat([result, fed, base[:, None]], dim=1), events, k)
 
     def _catch_up_forward(self, ids, pos, slots, ctx):
         return self._feed(ids, pos, slots, ctx)[1]

@@ -283,10 +283,7 @@ class GreedyRounds:
         round's pending tokens are the emitted ones from m: the bonus token alone (a <= extra) or the
         last accepted draft and the bonus token (a = extra + 1: width 2, last_index 1)."""
         n = len(index)
-        events = None
-        if self.device.type == "cuda":
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record(torch.cuda.current_stream(self.device))
+        events = self._start_timing()
         padded = next(b for b in self.batch_buckets if b >= n)
         max_len = self.runner.max_len
         ctx_needed = max(bases) + width + k + 1
@@ -315,6 +312,18 @@ class GreedyRounds:
         # What the round was fed goes back with its tokens: the verdict that reaches the draft later must
         # say the same (DraftState.apply_verdict checks it before it uses the round).
         out = torch.cat([result, static["input_ids"][:n], start[:, None]], dim=1)
+        return self._chained_result(out, events, k)
+
+    def _start_timing(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        """A chained round's GPU timing: its start recorded now (None on the CPU)."""
+        if self.device.type != "cuda":
+            return None
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        events[0].record(torch.cuda.current_stream(self.device))
+        return events
+
+    def _chained_result(self, out: torch.Tensor, events, k: int) -> ChainedRound:
+        """out [n, ...] on the device -> a ChainedRound reading it once from pinned memory (no sync here)."""
         if events is None:
             return ChainedRound(out, None, k)
         host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)

@@ -48,6 +48,8 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # layers under its own norm and head, untrained: greedy agreement 3.6% on 4 chat answers (teacher-forced;
 # 2.1% for 8 layers, 6.2% for 12, 9.4% for 16).
 TRAINED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-instruct"
+# --feature: the feature draft (one layer over SmolLM2's own hidden features, EAGLE-3 style).
+FEATURE_DRAFT = TRAINED_DRAFT.with_name("smollm2-135m-instruct-feature")
 DEMO_DRAFT_LAYERS = (0, 1, 2, 3)
 DEMO_K = {"smollm2": 2, "tiny": 4, "coder": 4}
 # --coder: catalogue names (specsplit.catalog). The 0.5B predicts the 1.5B's next token on most of a
@@ -167,6 +169,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the real Qwen2.5-Coder pair (1.5B target, 0.5B draft; fetched once, 1.6 GB) on a coding "
         "question; minutes on CPU",
     )
+    ap.add_argument(
+        "--feature",
+        action="store_true",
+        help="SmolLM2 with its feature draft (drafts/smollm2-135m-instruct-feature: one layer reading the "
+        "target's hidden features, sent with each verdict)",
+    )
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt of the --tiny demo")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument(
@@ -206,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
         target_dir, draft_dir = fetch(CODER_TARGET), fetch(CODER_DRAFT)
         say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (fp32, the classic draft)")
         prompts = [[{"role": "user", "content": q}] for q in args.question or CODER_QUESTIONS]
+    elif args.feature:
+        target_dir, draft_dir = smollm2_gguf(), FEATURE_DRAFT
+        say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (a feature draft)")
+        prompts = [[{"role": "user", "content": q}] for q in args.question or DEFAULT_QUESTIONS]
     else:
         if (TRAINED_DRAFT / "config.json").is_file():
             target_dir, draft_dir = smollm2_gguf(), TRAINED_DRAFT
@@ -228,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     # The 0.5B draft reads 2.4 GB of fp32 weights per token on CPU: k = 4 takes seconds, past the
     # target's default wait for a proposal (it would verify with k = 0 instead).
     slow_draft = ["--draft-timeout", "300"] if args.coder else []
+    # A feature draft reads the target's features of these layers: the target captures them for it.
+    features = []
+    if args.feature:
+        layers = json.loads((Path(draft_dir) / "config.json").read_text())["feature_layers"]
+        features = ["--draft-feature-layers", ",".join(map(str, layers))]
     t_start = time.perf_counter()
     try:
         draft.wait_ready(ready_timeout)
@@ -245,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.speculation_policy,
                 *limits,
                 *slow_draft,
+                *features,
             ],
             logs / "target.log",
         )

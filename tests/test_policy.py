@@ -222,6 +222,25 @@ def test_new_requests_start_from_the_service_acceptance():
     assert policy.choose(reqs(1)) == 0  # a fresh request does not re-learn that
 
 
+def test_a_draft_that_is_never_right_costs_no_tries():
+    """Once the service's acceptance says no k can add MIN_GAIN tokens per step, the policy runs plain:
+    no timing of an untimed k, no refresh, no gate window; one step in REPROBE_EVERY still tries, so a
+    draft that gets better is noticed."""
+    c = StepCosts(BUCKETS)  # nothing timed: a promising draft would make the policy measure every k
+    c.observe_verify(16, 1, 2e-3)
+    policy = SpeculationPolicy("adaptive", c)
+    assert policy.choose(reqs(16)) > 0  # prior 0.7: measure a wider step
+    for _ in range(2000):
+        policy.observe(drafted=4, accepted=0)
+    chosen = [policy.choose(reqs(16)) for _ in range(2 * policy_module.REPROBE_EVERY)]
+    assert chosen.count(0) == len(chosen) - 2 and sum(k > 0 for k in chosen) == 2, sorted(set(chosen))
+    assert policy.choose(reqs(16)) == 0 and policy.off_reason == policy_module.LOW_ACCEPTANCE
+    # Power: a draft right half the time is measured at once.
+    for _ in range(2000):
+        policy.observe(drafted=2, accepted=1)
+    assert policy.choose(reqs(16)) > 0
+
+
 def _bucket_windows(gate: ModeGate, batch: int, rate, steps: int, model=None) -> list[tuple[bool, int]]:
     """(mode, steps) of each window `gate` runs at `batch`, when a step emits 4 tokens at rate(step, on)
     tokens per second; model = (on, off): the policy's model rates, told to the gate every step."""
