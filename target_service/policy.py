@@ -42,6 +42,7 @@ SWITCH_ON_MIN_LEFT = 32
 # try of speculation (no timing, refresh or gate window): no verify wider than one position costs that
 # little. One step in REPROBE_EVERY of such steps still speculates, so a draft that improves is seen.
 MIN_GAIN, REPROBE_EVERY = 0.02, 1024
+NO_DRAFT = "draft not connected"  # why a target with a draft drafts nothing while its link is down
 # Why a step the batch allowed to speculate did not (policy.off_reason; GetModelInfo, the metrics, usage).
 COST_MEASURED = "draft cost exceeds expected gain (measured: plain steps were faster at this batch size)"
 COST_ESTIMATED = "draft cost exceeds expected gain (estimated from step costs and acceptance)"
@@ -103,6 +104,18 @@ class SpeculationPolicy:
             k = 0
         self.last_k = k
         return k
+
+    def why_not(self, k: int, connected: bool) -> str:
+        """Why the step chose k (""), or nothing though its batch allowed drafts: the draft is not
+        connected, or the policy's reason (`off_reason`)."""
+        if k:
+            return ""
+        return NO_DRAFT if not connected and self.allowed_k else self.off_reason
+
+    def note(self, req: Request, reason: str) -> str:
+        """A finished request's usage note: why nothing was drafted for it though it allowed drafts."""
+        note = reason if req.k and not req.spec.drafted else ""
+        return f"{self.mode} policy: {note}" if note and note != NO_DRAFT else note
 
     @staticmethod
     def _ending(batch: Sequence[Request]) -> bool:

@@ -7,9 +7,8 @@ One loop on TP rank 0. A step reads in four lines (`_step`):
 - verify: one graph replay for the forward over [t_n, d_1..d_k] of every request and the rejection
   kernel, one small read-back (`TargetRunner.step`);
 - commit: stop checks on token ids, the next ask to the draft; the new tokens go to the streamer thread
-  (`target_service/streamer.py`) once the next step's forward is launched: it detokenizes, matches stop
-  strings and writes to the clients off the critical path. What the step teaches the policy and its
-  gates, and its metrics, are `StepAccounting`'s (target_service/step_accounting.py).
+  (`target_service/streamer.py`) once the next step's forward is launched, off the critical path. What
+  the step teaches the policy and its gates, and its metrics: `StepAccounting` (step_accounting.py).
 """
 
 from __future__ import annotations
@@ -34,7 +33,6 @@ from target_service.streamer import Streamer
 __all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposal"]
 
 log = logging.getLogger("specsplit.target")
-NO_DRAFT = "draft not connected"  # why a target with a draft drafts nothing while its link is down
 
 
 class QueueFull(Exception):
@@ -254,12 +252,10 @@ class Scheduler:
         k, reason = 0, ""
         if self.session.attached:
             k = self._safely("the speculation policy", self.policy.choose, 0, batch)
-            reason = self.policy.off_reason if not k else ""
-            if not self.session.connected and self.policy.allowed_k:
-                reason = NO_DRAFT
+            reason = self.policy.why_not(k, self.session.connected)
         if self.accounting.branch_gate is not None:
-            want = self.accounting.want_branches
-            self.session.want_branches = self._safely("the branch gate", want, True, len(batch))
+            self.session.want_branches = self._safely("the branch gate", self.accounting.want_branches, True,
+                                                      len(batch))  # fmt: skip
         self.session.ask(batch if subset is None else subset, k, self.runner.max_context)
         if subset is None:
             self.metrics.step_k.observe(k)
@@ -346,13 +342,8 @@ class Scheduler:
             self.session.release(req)
             self.metrics.waiting.set(len(self.waiting))
             self.delivering += 1
-        self.streamer.finish(req, reason, req.usage(self._speculation_note(req)), error)
+        self.streamer.finish(req, reason, req.usage(self.policy.note(req, self.not_drafting)), error)
         self._update_gauges()
-
-    def _speculation_note(self, req: Request) -> str:
-        """Why nothing was drafted for a request that allowed it (the last step's reason), else ""."""
-        note = self.not_drafting if req.k and not req.spec.drafted else ""
-        return f"{self.policy.mode} policy: {note}" if note and note != NO_DRAFT else note
 
     def _delivered(self, req: Request) -> None:
         with self.lock:
