@@ -168,11 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_until_drained(drain)
     if link is not None:
         link.close()
-    runner.executor.shutdown()
-    for w in workers:
-        w.join(timeout=10)
+    code = workers.stop(runner.executor)
     log.info("stopped")
-    return 0
+    return code
 
 
 if __name__ == "__main__":
