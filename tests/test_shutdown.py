@@ -60,7 +60,9 @@ def test_sigterm_at_tp2_drains_draft_and_target_and_exits_0(demo_models, tmp_pat
     """The draft is stopped mid-load (the target decodes plainly from then on), then the target: both
     exit 0, every stream ends OK with exactly the target's greedy tokens."""
     draft = start_draft(demo_models.draft, tmp_path, *TP2).wait_ready()
-    target = start_target(demo_models.target, tmp_path, draft, *TP2, *FAST, "--drain-timeout", "60").wait_ready()
+    target = start_target(
+        demo_models.target, tmp_path, draft, *TP2, *FAST, "--drain-timeout", "60"
+    ).wait_ready()
     channel, stub = stub_for(target)
     try:
         ps = prompts(4, seed=21)
