@@ -26,6 +26,7 @@ from common.grpc_util import SERVER_OPTIONS, add_port, allowed, denial, read_tok
 from common.lifecycle import freeze_startup_heap
 from common.metrics import start_metrics_server
 from common.settings import ServiceConfig
+from common.tls import CertificateWatcher
 
 log = logging.getLogger("specsplit")
 
@@ -114,11 +115,11 @@ def _deliver_all(batch: list[tuple[StreamOut, Any]]) -> None:
         out._deliver(item)
 
 
-def _add_port(server: grpc.aio.Server, config: ServiceConfig) -> int:
+def _add_port(server: grpc.aio.Server, config: ServiceConfig, certificates: CertificateWatcher) -> int:
     """Plaintext, TLS or mTLS, as the sync servers bind (grpc.aio servers take the same calls)."""
     address = f"{config.host}:{config.port}"
     return add_port(server, address, config.tls_cert or None, config.tls_key or None,  # type: ignore[arg-type]
-                    config.tls_client_ca or None)  # fmt: skip
+                    config.tls_client_ca or None, certificates)  # fmt: skip
 
 
 class AioFront:
@@ -131,9 +132,11 @@ class AioFront:
         service_name: str,
         register: Callable[[grpc.aio.Server], None],
         metrics_port: int | None = None,
+        certificates: CertificateWatcher | None = None,
     ):
         """Binds everything; raises ValueError naming the flag on bad TLS/token/port settings.
-        `metrics_port`: /metrics is already served there (started before the model load)."""
+        `metrics_port`: /metrics is already served there (started before the model load);
+        `certificates`: the process's TLS files (reloaded when they change), else a watcher of its own."""
         self.service_name = service_name
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
@@ -148,7 +151,9 @@ class AioFront:
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
             names = [service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
             reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-            port = _add_port(server, config)
+            port = _add_port(
+                server, config, certificates or CertificateWatcher(None, config.tls_reload_interval)
+            )
             return server, health_servicer, port
 
         try:

@@ -7,14 +7,12 @@ import sys
 import time
 
 from common.aio_front import AioFront
-from common.grpc_util import (
-    channel_credentials,
-    read_token,
-)
+from common.grpc_util import read_token
 from common.logs import setup_logging
 from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_server
 from common.service import HealthPort, model_label, serve_until_drained, service_metrics
 from common.settings import parse_config
+from common.tls import CertificateWatcher
 from common.tokenizer import load_tokenizer
 from common.tp_executor import launch_tp, torchrun_rank, tp_gpu_uuids
 from specsplit.v1 import target_pb2, target_pb2_grpc
@@ -89,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # The aio gRPC front (common/aio_front.py) starts after the load; the health port and /metrics are
     # already up (NOT_SERVING, specsplit_ready 0).
+    # Server and draft-link certificates, reloaded when cert-manager renews them (expiry on /metrics).
+    certificates = CertificateWatcher(metrics.set_tls_expiry, config.tls_reload_interval)
     try:
         link = None
         # Sent to each draft: one on the same GPUs drafts nothing ahead (it would delay the verify).
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             link = LocalDraft(draft_config, metrics, mc.vocab_size, target_gpus)
         elif config.draft_address:
             token = read_token(config.draft_auth_token_file) if config.draft_auth_token_file else None
-            creds = channel_credentials(
+            creds = certificates.channel_credentials(
                 config.draft_tls_ca or None, config.draft_tls_cert or None, config.draft_tls_key or None
             )
             # Replicas are dialled by IP: under TLS, check the certificate against the name the flag gives.
@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             SERVICE_NAME,
             lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
             metrics_port=metrics_port,
+            certificates=certificates,
         )
     except (ValueError, FileNotFoundError) as exc:
         log.error("%s", exc)
