@@ -325,7 +325,7 @@ def test_every_dashboard_query_finds_data_and_its_legend_labels(live):
     panels = list(dashboard["panels"])
     for panel in list(panels):
         panels.extend(panel.get("panels", []))
-    variables = {"$model": ".*", "$role": ".*", "$__rate_interval": "1m"}
+    variables = {"$namespace": NAMESPACE, "$pod": ".*", "$model": ".*", "$role": ".*", "$__rate_interval": "1m"}
     checked = 0
     for panel in panels:
         for target in panel.get("targets", []):
