@@ -16,7 +16,7 @@ from service_util import generate_many, prompts, request, start_draft, start_tar
 pytestmark = pytest.mark.slow
 
 TP2 = ("--tp-size", "2")
-NEW_TOKENS = 64
+NEW_TOKENS = 48
 FAST = ("--verify-backend", "torch")  # the Triton interpreter's verify is slow on CPU; tested elsewhere
 
 
@@ -59,10 +59,11 @@ class Load:
 def test_sigterm_at_tp2_drains_draft_and_target_and_exits_0(demo_models, tmp_path):
     """The draft is stopped mid-load (the target decodes plainly from then on), then the target: both
     exit 0, every stream ends OK with exactly the target's greedy tokens."""
-    draft = start_draft(demo_models.draft, tmp_path, *TP2).wait_ready()
-    target = start_target(
-        demo_models.target, tmp_path, draft, *TP2, *FAST, "--drain-timeout", "60"
-    ).wait_ready()
+    draft = start_draft(demo_models.draft, tmp_path, *TP2)
+    target = start_target(demo_models.target, tmp_path, draft, *TP2, *FAST, "--drain-timeout", "60")
+    draft.wait_ready()
+    target.wait_ready()
+    wait_for(lambda: target.metric("specsplit_draft_connected") == 1, 30, "the draft stream")
     channel, stub = stub_for(target)
     try:
         ps = prompts(4, seed=21)
