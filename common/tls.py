@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -126,7 +127,6 @@ class CertificateWatcher:
         self.interval = interval
         self.sets: list[CertificateSet] = []
         self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
 
     def _add(self, files: dict[str, str | None], roles: tuple[str, str, str]) -> CertificateSet:
         cert_set = CertificateSet({f: p for f, p in files.items() if p}, roles, self.on_expiry)
@@ -137,12 +137,10 @@ class CertificateWatcher:
         return cert_set
 
     def _watch(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:  # a daemon thread: it ends with the process
+            time.sleep(self.interval)
             for cert_set in self.sets:
                 cert_set.poll()
-
-    def stop(self) -> None:
-        self._stop.set()
 
     def server_credentials(self, cert: str, key: str, client_ca: str | None) -> grpc.ServerCredentials:
         """TLS (mTLS with `client_ca`) whose certificate, key and client CA follow the files."""
