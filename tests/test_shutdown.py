@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from pathlib import Path
 
 import grpc
 import pytest
-from service_util import generate_many, prompts, request, start_draft, start_target, stub_for, wait_for
+from service_util import (
+    Load,
+    generate_many,
+    prompts,
+    request,
+    start_draft,
+    start_target,
+    stub_for,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -24,36 +32,6 @@ def spawned_ranks(pid: int) -> list[int]:
     """PIDs of the TP workers a service spawned (multiprocessing's spawn_main children)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
-class Load:
-    """Greedy streams in threads: each collects its tokens and the status it ended with."""
-
-    def __init__(self, stub, ps: list[list[int]]):
-        self.tokens: list[list[int]] = [[] for _ in ps]
-        self.status: list[grpc.StatusCode | None] = [None] * len(ps)
-        self.first = [threading.Event() for _ in ps]
-        self.threads = [threading.Thread(target=self._run, args=(stub, i, p)) for i, p in enumerate(ps)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, stub, i: int, ids: list[int]) -> None:
-        try:
-            for msg in stub.Generate(request(ids, max_new_tokens=NEW_TOKENS), timeout=120):
-                self.tokens[i] += msg.token_ids
-                self.first[i].set()
-            self.status[i] = grpc.StatusCode.OK
-        except grpc.RpcError as exc:
-            self.status[i] = exc.code()
-        finally:
-            self.first[i].set()
-
-    def started(self) -> bool:
-        return all(e.is_set() for e in self.first)
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join(timeout=120)
 
 
 def test_sigterm_at_tp2_drains_draft_and_target_and_exits_0(demo_models, tmp_path):
@@ -70,12 +48,12 @@ def test_sigterm_at_tp2_drains_draft_and_target_and_exits_0(demo_models, tmp_pat
         plain = generate_many(target.address, [request(p, max_new_tokens=NEW_TOKENS, k=0) for p in ps], 4)
         want = [r.ids for r in plain]
 
-        load = Load(stub, ps)
+        load = Load(stub, ps, NEW_TOKENS)
         wait_for(load.started, 60, "every stream's first tokens")
         draft.signal(signal.SIGTERM)
         assert draft.popen.wait(60) == 0, draft.log_text()[-3000:]
 
-        second = Load(stub, ps)
+        second = Load(stub, ps, NEW_TOKENS)
         wait_for(second.started, 60, "the second load's first tokens")
         target.signal(signal.SIGTERM)
         assert target.popen.wait(90) == 0, target.log_text()[-3000:]
@@ -99,7 +77,7 @@ def test_a_killed_rank_stops_the_service_non_zero_naming_the_rank(demo_models, t
     try:
         ranks = spawned_ranks(target.popen.pid)
         assert len(ranks) == 1, ranks
-        load = Load(stub, prompts(2, seed=22))
+        load = Load(stub, prompts(2, seed=22), NEW_TOKENS)
         wait_for(load.started, 60, "first tokens")
         os.kill(ranks[0], signal.SIGKILL)
         assert target.popen.wait(30) == 3

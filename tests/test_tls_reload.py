@@ -21,8 +21,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from service_util import prompts, request, start_draft, start_target, wait_for
-from test_shutdown import Load
+from service_util import Load, prompts, request, start_draft, start_target, wait_for
 
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -142,7 +141,7 @@ def test_rotated_ca_and_leaves_are_used_without_a_restart(demo_models, tmp_path)
         assert draft.metric("specsplit_tls_certificate_expiry_timestamp_seconds", certificate="tls_cert") == (
             old.not_after.timestamp()
         )
-        load = Load(stub, ps)
+        load = Load(stub, ps, NEW_TOKENS)
         wait_for(load.started, 60, "every stream's first tokens")
         publish(certs, new, 2)
 
@@ -174,7 +173,7 @@ def test_rotated_ca_and_leaves_are_used_without_a_restart(demo_models, tmp_path)
                             port=draft_port).wait_ready()  # fmt: skip
         wait_for(lambda: target.metric("specsplit_draft_connected") == 1, 30, "the target to reconnect")
         with grpc.secure_channel(target.address, creds(new, client_cert=False)) as fresh:
-            again = Load(target_pb2_grpc.TargetServiceStub(fresh), ps)
+            again = Load(target_pb2_grpc.TargetServiceStub(fresh), ps, NEW_TOKENS)
             again.join()
         assert again.tokens == want
         assert target.metric("specsplit_spec_draft_tokens_total") > drafted
