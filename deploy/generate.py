@@ -248,7 +248,7 @@ def build_dashboard() -> dict:
                 .title(spec["title"])
                 .unit(spec["unit"])
                 .datasource(DATASOURCE)
-                .height(8)
+                .height(10)  # room for the legend table below the graph
                 .span(8)
                 .legend(
                     gc.VizLegendOptions()
