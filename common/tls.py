@@ -88,15 +88,17 @@ class CertificateSet:
         return tuple(stamps)
 
     def _load(self) -> Pem:
+        """Reads and checks the files; the expiry sink hears of them only once all of them load."""
         raw = {flag: read_file(path, flag) for flag, path in self.files.items()}
         key, chain, ca = raw.get(self.key_flag), raw.get(self.cert_flag), raw.get(self.ca_flag)
+        expiry = {
+            flag: _not_after(pem, flag) for flag, pem in ((self.cert_flag, chain), (self.ca_flag, ca)) if pem
+        }
         if key is not None and chain is not None:
             _check_key_matches(key, chain, self.key_flag, self.cert_flag)
-        for flag, pem in ((self.cert_flag, chain), (self.ca_flag, ca)):
-            if pem is not None:
-                expiry = _not_after(pem, flag)
-                if self.on_expiry is not None:
-                    self.on_expiry(flag, expiry)
+        if self.on_expiry is not None:
+            for flag, when in expiry.items():
+                self.on_expiry(flag, when)
         return Pem(key, chain, ca)
 
     def poll(self) -> bool:
