@@ -1,11 +1,13 @@
-"""Stopping a TP=2 service (ranks spawned by the service, gloo on CPU) as Kubernetes does: SIGTERM under
-load drains and exits 0 with every stream complete; a rank that dies takes the service down, non-zero,
-with a log line naming the rank."""
+"""Stopping a TP=2 service (gloo on CPU) as Kubernetes does, by both launch paths (ranks spawned by the
+service, ranks started by torchrun): SIGTERM under load drains and every rank exits 0 with every stream
+complete; a rank that dies takes the service down, non-zero, with a log line naming the rank."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -20,6 +22,8 @@ from service_util import (
     stub_for,
     wait_for,
 )
+
+from specsplit.launch import ServiceProcess, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +89,42 @@ def test_a_killed_rank_stops_the_service_non_zero_naming_the_rank(demo_models, t
         # The streams in flight end with a status (the connection drops), none hangs.
         assert all(s is not None and s != grpc.StatusCode.OK for s in load.status), load.status
         assert "TP worker tp-rank-1 exited with code -9; stopping the service" in target.log_text()
+    finally:
+        channel.close()
+        target.stop()
+
+
+def test_sigterm_to_torchrun_under_load_drains_every_rank(demo_models, tmp_path):
+    """The LeaderWorkerSet example's path: torchrun starts the ranks and forwards SIGTERM to all of them.
+    Rank 0 drains, every stream ends OK with exact tokens, no rank fails. torchrun itself exits non-zero
+    after any signal (its agent re-raises it), so the drain is read from the ranks."""
+    port, metrics_port = free_port(), free_port()
+    log = tmp_path / "torchrun-target.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "-m", "target_service", "--model", str(demo_models.target), *TP2, *FAST,
+           "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port)]  # fmt: skip
+    with open(log, "wb") as out:
+        popen = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=os.environ | {"PYTHONUNBUFFERED": "1"}
+        )
+    target = ServiceProcess("target_service", popen, port, metrics_port, log).wait_ready()
+    channel, stub = stub_for(target)
+    try:
+        ps = prompts(3, seed=23)
+        plain = generate_many(target.address, [request(p, max_new_tokens=NEW_TOKENS, k=0) for p in ps], 3)
+        load = Load(stub, ps, NEW_TOKENS)
+        wait_for(load.started, 60, "every stream's first tokens")
+        target.signal(signal.SIGTERM)
+        load.join()
+        popen.wait(60)
+        assert load.status == [grpc.StatusCode.OK] * len(ps)
+        assert load.tokens == [r.ids for r in plain]
+        text = target.log_text()
+        assert "target INFO received SIGTERM: draining" in text and "target INFO stopped" in text, text[
+            -3000:
+        ]
+        # A rank that failed would be reported by the agent (ChildFailedError, with its exit code).
+        assert "ChildFailedError" not in text and "exitcode" not in text, text[-3000:]
     finally:
         channel.close()
         target.stop()
