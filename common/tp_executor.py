@@ -13,9 +13,11 @@ from __future__ import annotations
 import inspect
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -238,6 +240,16 @@ def _leave_signals_to_rank0() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _exit_after_shutdown() -> None:
+    """A worker's end once rank 0 has sent the shutdown: exit 0 without the interpreter's teardown. Torn
+    down at interpreter exit, the gloo group's threads now and then abort the process (`terminate called
+    without an active exception`, exit code -6) after a clean stop; the worker holds nothing to save."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -255,6 +267,7 @@ def _worker_main(
     )
     executor = entry(comm, entry_arg)
     executor.serve_forever()
+    _exit_after_shutdown()
 
 
 class TPWorkers:
@@ -276,17 +289,23 @@ class TPWorkers:
             self._watchdog.start()
 
     def _watch(self) -> None:
+        # Waits on the sentinels (no reaping): only `stop` joins the processes, after this thread ended.
+        sentinels = {p.sentinel: p for p in self.procs}
         while not self._stopping.is_set():
-            for p in self.procs:
-                p.join(timeout=0.5)
-                if p.exitcode is not None and not self._stopping.is_set():
-                    log.error("TP worker %s exited with code %s; stopping the service", p.name, p.exitcode)
-                    logging.shutdown()
-                    os._exit(self.EXIT_CODE)
+            for sentinel in mp.connection.wait(list(sentinels), timeout=0.5):
+                if self._stopping.is_set():
+                    return
+                p = sentinels[sentinel]
+                p.join(timeout=5)  # the sentinel closes as the process exits, its status comes just after
+                log.error("TP worker %s exited with code %s; stopping the service", p.name, p.exitcode)
+                logging.shutdown()
+                os._exit(self.EXIT_CODE)
 
     def stop(self, executor: TPExecutor, timeout: float = 10.0) -> int:
         """Shuts the workers down; 0 if every one exited with 0 within `timeout`, else EXIT_CODE."""
         self._stopping.set()
+        if self._watchdog.is_alive():
+            self._watchdog.join()
         executor.shutdown()
         failed = []
         for p in self.procs:
@@ -323,7 +342,7 @@ def launch_tp(
         if rank != 0:
             _leave_signals_to_rank0()
             entry(comm, entry_arg).serve_forever()
-            raise SystemExit(0)
+            _exit_after_shutdown()
         return comm, TPWorkers([])
     if world_size == 1:
         return init_tp(1, 0, device=rank_device(device, 0)), TPWorkers([])
