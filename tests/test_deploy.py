@@ -356,6 +356,7 @@ def test_production_overlay_tls_probes_models_and_autoscaling():
         volume = next(v for v in pod["volumes"] if v["name"] == "tls")
         assert volume["secret"]["secretName"] == cert["spec"]["secretName"]
         mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")
+        assert "subPath" not in mount, "a subPath mount never sees a renewed certificate"
         config = configs[name + "-config"]
         tls_files = [v for k, v in config.items() if "TLS" in k and k != "SPECSPLIT_DRAFT_TLS_SERVER_NAME"]
         assert tls_files and all(f.startswith(mount["mountPath"] + "/") for f in tls_files), name
