@@ -297,8 +297,6 @@ def alert_signals(expr: str) -> tuple[list[str], str | None]:
     10m:1m subqueries run at 1s resolution: this Prometheus has lived for well under ten minutes.
     """
     expr = " ".join(expr.split()).replace(":1m]", ":1s]")
-    if expr.startswith("absent("):
-        return [expr[len("absent(") : -1]], expr
     if " unless " in expr:
         left, right = expr.split(" unless on (namespace) ")
         return [left, right], expr
