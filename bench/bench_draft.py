@@ -105,7 +105,7 @@ def measure_step_time(args, drafts) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, help="target checkpoint dir or .gguf file")
     ap.add_argument("--draft", action="append", default=[], help="NAME=PATH of a trained draft (repeatable)")
     ap.add_argument("--truncated", type=int, default=0, help="add the target's first N layers, untrained")

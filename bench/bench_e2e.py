@@ -248,10 +248,10 @@ def gpu_split(
     }
 
 
-def divergence_margins(target_dir: Path, device: str, mismatches) -> list[dict]:
-    """For each spec/plain pair that differs: the target's top-2 logit gap at the first differing token,
-    computed alone (B=1, eager) on the common prefix, with the batch, mode and request it came from. A gap
-    at the dtype's rounding level is a near-tie."""
+def divergence_margins(target_dir: Path, device: str, mismatches, top: int = 2) -> list[dict]:
+    """For each mismatch (dtype, prompt, spec, plain, where): the target's `top` logits at the first token
+    where spec and plain differ, computed alone (B=1, eager) on the common prefix, with the keys of `where`
+    (batch, mode, request, ...). A top-2 gap at the dtype's rounding level is a near-tie."""
     import torch
 
     from common.distributed import init_tp
@@ -270,11 +270,12 @@ def divergence_margins(target_dir: Path, device: str, mismatches) -> list[dict]:
             cache = KVCache.for_model(model, 1, len(context) + 1)
             with torch.inference_mode():
                 hidden = forward_rows(model, cache, [0], [0], [context])[0, -1:]
-                top2 = model.compute_logits(hidden)[0].topk(2)
-            values, ids = top2.values.tolist(), top2.indices.tolist()
+                best = model.compute_logits(hidden)[0].topk(max(2, top))
+            values, ids = best.values.tolist(), best.indices.tolist()
             out.append(
-                dict(dtype=dtype, **where, position=j, spec_token=spec[j], plain_token=plain[j], top2_ids=ids,
-                     top2_gap=values[0] - values[1], top1_logit=values[0])
+                dict(dtype=dtype, **where, position=j, spec_token=spec[j], plain_token=plain[j],
+                     top2_ids=ids[:2], top2_gap=values[0] - values[1], top1_logit=values[0], top_ids=ids,
+                     top_logits=values)
             )  # fmt: skip
         del model
     return out
@@ -421,6 +422,21 @@ def summarise(dtype: str, batch: int, k: int, runs: dict[str, list[dict]]) -> di
     return row
 
 
+def local_lines(row: dict) -> list[str]:
+    """One line per target of a summarised row whose draft runs inside it (MODE@local)."""
+    lines = []
+    for mode in (m for m in row if "@local" in m):
+        m = row[mode]
+        t, each = m["tokens_per_s"], ", ".join(f"{x:.2f}" for x in m.get("speedup_each_repeat", []))
+        eff = f", efficiency {m['efficiency']:.2f}" if "efficiency" in m else ""
+        lines.append(f"{mode} (draft in the target), {row['dtype']} B={row['batch']}: {t['median']:.0f} "
+                     f"[{t['min']:.0f}-{t['max']:.0f}] tok/s, / plain: {each}; round trip "
+                     f"{m['round_trip_ms']:.2f} ms, draft round {m['draft_round_ms']:.2f} ms, host "
+                     f"{m['step_host_ms']:.2f} ms, GPU gap {m['step_gpu_gap_ms']:.2f} ms, mean k "
+                     f"{m['mean_k']:.2f}{eff}")  # fmt: skip
+    return lines
+
+
 def markdown_table(rows: list[dict]) -> str:
     head = ["dtype", "B", "plain tok/s", "k=0 + draft tok/s", "fixed tok/s", "adaptive tok/s", "fixed x",
             "adaptive x", "TPOT plain / fixed / adaptive ms", "alpha", "E[a]", "c", "ideal",
@@ -451,12 +467,18 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="tiny", choices=list(PRESETS))
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"])
-    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--preset",
+        default="tiny",
+        choices=list(PRESETS),
+        help="model shapes: qwen1.5b (Qwen2.5-1.5B), qwen7b (Qwen2.5-7B), tiny (CPU runs)",
+    )
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16"], help="serving dtypes, each a run of its own")
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 64],
+                    help="concurrent requests per run, in this order")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the modes per batch")
     ap.add_argument("--probe-divergences", type=int, default=2, metavar="N",
                     help="per batch and mode, the target's top-2 gap at the first N distinct sequences that "
                     "differ from plain (a near-tie, or a bug)")  # fmt: skip
@@ -467,7 +489,7 @@ def main() -> int:
         action="store_true",
         help="skip the k=0 runs through the fixed target (a profile of fixed steps alone)",
     )
-    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--k", type=int, default=4, help="tokens drafted per step (fixed; adaptive's maximum)")
     ap.add_argument("--local-modes", nargs="*", default=[],
                     choices=["fixed", "adaptive", "fixed-nochain", "adaptive-nochain"],
                     help="also run targets MODE@local whose draft runs inside them (--draft-local), "
@@ -475,11 +497,11 @@ def main() -> int:
                          "--no-draft-chain")  # fmt: skip
     ap.add_argument("--placement", default="auto", choices=["auto", "colocated", "split"],
                     help="split: each service on its own GPUs; auto: split if enough")  # fmt: skip
-    ap.add_argument("--draft-tp-size", type=int, default=1)
+    ap.add_argument("--draft-tp-size", type=int, default=1, help="the draft service's TP ranks")
     ap.add_argument("--plain-tp", nargs="*", type=int, default=[], metavar="N",
                     help="also run a plain target at target TP=N (on the first N GPUs), interleaved with "
                          "the others: its TPOT against the plain target's, repeat by repeat")  # fmt: skip
-    ap.add_argument("--target-tp-size", type=int, default=1)
+    ap.add_argument("--target-tp-size", type=int, default=1, help="each target's TP ranks")
     ap.add_argument(
         "--draft-args", default="", help="extra draft flags, e.g. '--no-use-local-argmax-reduction'"
     )
@@ -487,18 +509,24 @@ def main() -> int:
     ap.add_argument("--variant-args", default="",
                     help="an interleaved A/B of target flags: each of --variant-modes gets a twin "
                          "target MODE+v with these flags too, run right after it in each repeat")  # fmt: skip
-    ap.add_argument("--variant-modes", nargs="+", default=["plain"], choices=["plain", "fixed", "adaptive"])
+    ap.add_argument("--variant-modes", nargs="+", default=["plain"], choices=["plain", "fixed", "adaptive"],
+                    help="the modes that get a --variant-args twin")  # fmt: skip
     ap.add_argument("--target-log-level", default="INFO",
                     help="DEBUG: phase times, policy costs and gates every 64 steps")  # fmt: skip
     ap.add_argument("--step-traces", action="store_true",
                     help="each target writes a JSON line per step to LOGS/target-MODE-DTYPE-steps.jsonl "
                          "(bench/step_trace_summary.py reads them)")  # fmt: skip
     ap.add_argument("--draft-markov-rank", type=int, default=0, help="draft Markov head rank")
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--models", type=Path, default=None)
-    ap.add_argument("--logs", type=Path, default=None)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--new-tokens", type=int, default=128, help="tokens generated per request")
+    ap.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens per request")
+    ap.add_argument(
+        "--models",
+        type=Path,
+        default=None,
+        help="where the random checkpoints go (reused when present; default: a temp dir)",
+    )
+    ap.add_argument("--logs", type=Path, default=None, help="the services' logs (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=None, help="the raw JSON: every row, argv, the GPU's name")
     args = ap.parse_args()
 
     root = args.models or Path(tempfile.gettempdir()) / "specsplit-bench-models"
@@ -568,15 +596,8 @@ def main() -> int:
             p = r["plain"]
             print(f"plain, {r['dtype']} B={r['batch']}: GPU gap {p.get('step_gpu_gap_ms', 0):.2f} ms "
                   f"per step, host {p['step_host_ms']:.2f} ms")  # fmt: skip
-        for mode in (m for m in r if "@local" in m):
-            m = r[mode]
-            t, each = m["tokens_per_s"], ", ".join(f"{x:.2f}" for x in m.get("speedup_each_repeat", []))
-            eff = f", efficiency {m['efficiency']:.2f}" if "efficiency" in m else ""
-            print(f"{mode} (draft in the target), {r['dtype']} B={r['batch']}: {t['median']:.0f} "
-                  f"[{t['min']:.0f}-{t['max']:.0f}] tok/s, / plain: {each}; round trip "
-                  f"{m['round_trip_ms']:.2f} ms, draft round {m['draft_round_ms']:.2f} ms, host "
-                  f"{m['step_host_ms']:.2f} ms, GPU gap {m['step_gpu_gap_ms']:.2f} ms, mean k "
-                  f"{m['mean_k']:.2f}{eff}")  # fmt: skip
+        for line in local_lines(r):
+            print(line)
         for mode in (m for m in r if m.startswith("plain@tp")):
             t, base = r[mode]["tpot_ms"], r["plain"]["tpot_ms"]
             each = ", ".join(f"{a / b:.2f}" for a, b in zip(t["runs"], base["runs"]))

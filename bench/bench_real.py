@@ -1,25 +1,29 @@
-"""The real pair end to end: SmolLM2-135M-Instruct (GGUF) as the target, a trained draft, chat prompts.
+"""A real target and a trained draft end to end through the two services, on held-out chat prompts.
 
     python bench/bench_real.py --target SmolLM2-135M-Instruct.Q4_1.gguf \\
         --draft drafts/smollm2-135m-instruct --device cuda --out real.json
     python bench/bench_real.py --target F.gguf --draft D --device cpu --dtype float32 \\
         --batches 1 2 --new-tokens 8 --repeats 1                              # a CPU smoke run
+    bench/device.sh real                        # the same on the GPU machine (the GGUF carried by `transfer`)
 
 The services and the measurement are bench/bench_e2e.py's (start_stack, run_batch, summarise): one draft
 service and one target per mode (`plain`: no draft attached; `fixed`: k every step; `adaptive`: k per
-step from measured costs), both services on one GPU (colocated; pick it with CUDA_VISIBLE_DEVICES),
-greedy, k = 4, `--repeats` interleaved rounds per batch size, median and spread of wall-clock tok/s and
-TPOT, acceptance as accepted/drafted and as per-token α. What differs from bench_e2e: the prompts are
-the HELD-OUT chat prompts (common/training/prompts.py, never trained on) rendered with the target's chat
-template (B=16 takes the first 16; fewer prompts than B are cycled), and generation stops at the
-template's EOS (`--ignore-eos` to always generate --new-tokens).
+step from measured costs), both services on one GPU (`--placement colocated`; pick it with
+CUDA_VISIBLE_DEVICES), and with `--local-modes fixed adaptive` targets that run the draft inside them
+(`--draft-local`, the one-GPU deployment); greedy, k = 4, `--repeats` interleaved rounds per batch size,
+median and spread of wall-clock tok/s and TPOT, acceptance as accepted/drafted and as per-token alpha.
+What differs from bench_e2e: the prompts are the HELD-OUT chat prompts (common/training/prompts.py, never
+trained on) rendered with the target's chat template (B=16 takes the first 16; fewer prompts than B are
+cycled), and generation stops at the template's EOS (`--ignore-eos` to always generate --new-tokens).
 
-Correctness (issue 12, item 4): after the timed runs the services stop and the project's own model
-computes the greedy reference in `--reference-dtype` (float32) alone, B=1, on the same device. Every
-service output (plain and speculative, every repeat) is compared with it token for token; for each
-distinct divergence the target is reloaded alone in the serving dtype and in the reference dtype and its
-top-2 logits at the first differing token (on the common prefix) are reported: a gap at the serving
-dtype's rounding level, between exactly the two tokens that differ, is a near-tie, not a bug.
+Correctness: after the timed runs the services stop and the project's own model computes the greedy
+reference in `--reference-dtype` (float32) alone, B=1, on the same device. Every service output (plain
+and speculative, every repeat) is compared with it token for token (`reference.match` in the JSON). For
+each distinct divergence (at most 24) the target is reloaded alone in the serving dtype and in the
+reference dtype and its top logits at the first differing token, on the common prefix, are reported
+(`reference.margins`): the service's and the reference's tokens as the top-2 with a gap at the serving
+dtype's rounding level (one bf16 ulp is 0.125 at logits 16-32) is a near-tie, not a bug. `--top N`
+keeps N logits per divergence, which settles a tie among three or more tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +37,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.bench_e2e import divergence_margins, markdown_table, run_batch, start_stack, summarise
+from bench.bench_e2e import (
+    base_mode,
+    divergence_margins,
+    local_lines,
+    markdown_table,
+    run_batch,
+    start_stack,
+    summarise,
+)
 from common.training import prompts as builtin_prompts
 
 MAX_DIVERGENCES = 24  # distinct divergences whose margins are computed (each is one B=1 forward per dtype)
@@ -138,8 +150,9 @@ def compare_with_reference(args, prompts, all_runs, uniq, reference, eos) -> tup
 
 
 def margins(args, uniq, reference, found: list[dict]) -> list[dict]:
-    """Top-2 logits of the target alone (B=1) at each divergence, on the common prefix, in the serving
-    dtype and in the reference dtype."""
+    """The target's top logits alone (B=1) at each divergence, on the common prefix, in the serving dtype
+    and in the reference dtype: `top2_ids`, `top2_gap`, `top1_logit`, and the `--top` best as `top`
+    ([token, logit] pairs). `pair_is_top2`: the service's and the reference's tokens are the top-2."""
     chosen = found[:MAX_DIVERGENCES]
     out = [dict(d) for d in chosen]
     for dtype in dict.fromkeys([args.dtype, args.reference_dtype]):
@@ -149,11 +162,18 @@ def margins(args, uniq, reference, found: list[dict]) -> list[dict]:
                 list(uniq[d["prompt"]]),
                 [*reference[d["prompt"]][: d["position"]], d["service_token"]],
                 reference[d["prompt"]],
+                {"prompt": d["prompt"]},
             )
             for d in chosen
         ]
-        for row, m in zip(out, divergence_margins(Path(args.target), args.device, mismatches)):
-            row[dtype] = {"top2_ids": m["top2_ids"], "top2_gap": m["top2_gap"], "top1_logit": m["top1_logit"]}
+        found_margins = divergence_margins(Path(args.target), args.device, mismatches, top=args.top)
+        for row, m in zip(out, found_margins):
+            row[dtype] = {
+                "top2_ids": m["top2_ids"],
+                "top2_gap": m["top2_gap"],
+                "top1_logit": m["top1_logit"],
+                "top": [[t, v] for t, v in zip(m["top_ids"], m["top_logits"])],
+            }
     for row in out:
         row["pair_is_top2"] = {row["service_token"], row["reference_token"]} == set(
             row[args.dtype]["top2_ids"]
@@ -162,20 +182,28 @@ def margins(args, uniq, reference, found: list[dict]) -> list[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=Path, required=True, help="the target: a .gguf file or checkpoint dir")
     ap.add_argument("--draft", type=Path, required=True, help="the draft checkpoint dir")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--no-reference", action="store_true", help="skip the reference comparison")
+    ap.add_argument(
+        "--top",
+        type=int,
+        default=2,
+        help="logits kept per divergence (more than 2 settles a tie of 3 or more tokens)",
+    )
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
         "--modes", nargs="+", default=["plain", "fixed", "adaptive"], choices=["plain", "fixed", "adaptive"]
     )
-    ap.add_argument("--k", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--local-modes", nargs="*", default=[], choices=["fixed", "adaptive"],
+                    help="also targets MODE@local with the draft inside them (--draft-local)")  # fmt: skip
+    ap.add_argument("--k", type=int, default=4, help="tokens drafted per step (fixed; adaptive's maximum)")
+    ap.add_argument("--new-tokens", type=int, default=128, help="most tokens generated per request")
     ap.add_argument("--ignore-eos", action="store_true", help="always generate --new-tokens")
     ap.add_argument("--placement", default="colocated", choices=["auto", "colocated", "split"])
     ap.add_argument("--draft-tp-size", type=int, default=1)
@@ -193,15 +221,16 @@ def timed_runs(args, stack, prompts) -> tuple[list[dict], list[tuple[int, dict]]
     """Warm-up, then per batch size `--repeats` interleaved rounds over the modes; summarised rows."""
     for batch in args.batches:  # warm-up: allocator, connections, eager kernel variants
         for mode, t in stack.targets.items():
-            run_batch(t, stack.draft, prompts[:batch], 8, 0 if mode == "plain" else args.k, args.ignore_eos)
+            k = 0 if base_mode(mode) == "plain" else args.k
+            run_batch(t, stack.draft_of(mode), prompts[:batch], 8, k, args.ignore_eos)
     rows, all_runs = [], []
     for batch in args.batches:
         runs: dict[str, list[dict]] = {m: [] for m in stack.targets}
         for _ in range(args.repeats):
             for mode, t in stack.targets.items():
-                k = 0 if mode == "plain" else args.k
+                k = 0 if base_mode(mode) == "plain" else args.k
                 runs[mode].append(
-                    run_batch(t, stack.draft, prompts[:batch], args.new_tokens, k, args.ignore_eos)
+                    run_batch(t, stack.draft_of(mode), prompts[:batch], args.new_tokens, k, args.ignore_eos)
                 )
         row = summarise(args.dtype, batch, args.k, runs)
         row["output_tokens"] = {m: [sum(map(len, r["ids"])) for r in rs] for m, rs in runs.items()}
@@ -237,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         f"k={args.k}, <= {args.new_tokens} new tokens, {args.repeats} interleaved repeats (median [min-max])"
     )
     print(markdown_table(rows))
+    for row in rows:
+        for line in local_lines(row):
+            print(line)
     result = {
         "target": str(args.target),
         "draft": str(args.draft),

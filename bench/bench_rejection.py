@@ -72,17 +72,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", required=True, help="JSON file for the results")
-    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
-    parser.add_argument("--max-k", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256], help="requests per call")
+    parser.add_argument("--max-k", type=int, default=4, help="draft tokens per request")
+    parser.add_argument("--vocab", type=int, default=151936, help="vocabulary size")
     parser.add_argument("--topk", type=int, default=8, help="K of the sparse draft distribution")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="kernels timed")
     parser.add_argument(
         "--graph-max-batch", type=int, default=1 << 20, help="CUDA-graph replay up to this B (default: all)"
     )
-    parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--skip-reference", action="store_true", help="do not time the PyTorch reference")
     parser.add_argument("--tune", action="store_true", help="sweep rejection.STATS_* launch parameters")
-    parser.add_argument("--tune-batch", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--tune-batch", type=int, nargs="+", default=[1, 64, 256], help="batches of --tune")
     args = parser.parse_args()
     if args.tune:
         tune(args)

@@ -4,12 +4,18 @@ Builds a draft with a V-token LM head and a Markov head, spawns a gloo TP world 
 draft positions for a batch of rows in each configuration (local argmax on/off x Markov replicated /
 sharded) and prints the bytes each rank moved per draft position per row, by site.
 
-    python bench/comm_volume.py [--vocab 32000] [--tp 2] [--markov-rank 64] [--rows 4] [--steps 3]
+    python bench/comm_volume.py [--vocab 32000] [--tp 2] [--markov-rank 64] [--rows 4] [--steps 3] \\
+        [--out comm.json]
+
+The head's bytes do not depend on the trunk, so a one-layer draft of width --hidden shows them; the trunk
+adds (1 + 2 * layers) all_reduces of hidden * 4 bytes per position per row in every configuration.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 import tempfile
 from pathlib import Path
 
@@ -45,13 +51,14 @@ def draft_positions(comm: Comm, path: str, rows: int, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--markov-rank", type=int, default=64)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--rows", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=int, default=32000, help="the draft's LM head rows")
+    ap.add_argument("--tp", type=int, default=2, help="gloo ranks")
+    ap.add_argument("--markov-rank", type=int, default=64, help="the Markov head's rank")
+    ap.add_argument("--hidden", type=int, default=64, help="the one-layer trunk's width")
+    ap.add_argument("--rows", type=int, default=4, help="requests drafted at once")
+    ap.add_argument("--steps", type=int, default=3, help="draft positions measured")
+    ap.add_argument("--out", type=Path, default=None, help="the raw JSON: bytes per position per row by site")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"per draft position per row (measured over {a.steps} positions x {a.rows} rows):\n")
     print(f"{'reduction':<14}{'markov head':<13}{'head total':>12}  by site (op: calls/position, bytes/row)")
+    result: dict = {"argv": sys.argv if argv is None else argv, "configurations": []}
     for (local, mode), counts in stats.items():
         head = {k: v for k, v in counts.items() if k[1] in HEAD_SITES}
         total = sum(nbytes for _, nbytes in head.values()) / per
@@ -80,12 +88,24 @@ def main(argv: list[str] | None = None) -> int:
             for (op, site), (calls, nbytes) in sorted(head.items())
         )
         print(f"{'local argmax' if local else 'full gather':<14}{mode:<13}{total:>10g} B  {detail}")
+        sites = {f"{site} {op}": nbytes / per for (op, site), (_, nbytes) in sorted(head.items())}
+        result["configurations"].append(
+            {
+                "local_argmax": local,
+                "markov_head": mode,
+                "head_bytes_per_position_per_row": total,
+                "sites": sites,
+            }
+        )
     trunk = {k: v for k, v in next(iter(stats.values())).items() if k[1] in TRUNK_SITES}
     trunk_bytes = sum(nbytes for _, nbytes in trunk.values()) / per
     print(
         f"\ntrunk (same in every configuration; 1 layer, hidden={a.hidden}): {trunk_bytes:g} B per position "
         "per row = (1 + 2 * layers) all_reduces of hidden * 4 B"
     )
+    if a.out:
+        result["trunk_bytes_per_position_per_row"] = trunk_bytes
+        a.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

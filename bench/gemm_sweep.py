@@ -68,10 +68,10 @@ def layer_calls(x, weights, bias, transposed: bool = False):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 5, 16, 80, 320])
-    ap.add_argument("--tag", default="default")
-    ap.add_argument("--out")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 5, 16, 80, 320], help="rows per GEMM call")
+    ap.add_argument("--tag", default="default", help="a label written into every row")
+    ap.add_argument("--out", help="the raw JSON: one row per (GEMM, rows)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)

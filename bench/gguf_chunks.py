@@ -108,7 +108,7 @@ def collect(given: Path, stash: Path, install: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("split", help="FILE -> OUT/part-1..N + OUT/manifest.json")
     s.add_argument("file", type=Path)

@@ -11,8 +11,8 @@ PDL launches on Hopper), median of 3 x 50 replays (bench/gemm_sweep.py's `time_g
 configuration also records, at the largest row count, whether its output equals the unfused pair's at
 that row count bit for bit (`same_as_cublas`), whether row 0 equals the row alone (`invariant`), and
 whether 16-row blocks give the same bits (`same_as_16`). The model serves up to SPECSPLIT_GLU_MAX_ROWS
-rows with it (common/kernels/skinny.py, default 16); the forward A/B: bench/device_s22.sh with a
-`glu=.,SPECSPLIT_GLU_MAX_ROWS=N` configuration (docs/benchmarks.md, twenty-third session).
+rows with it (common/kernels/skinny.py, default 16); the whole forward with another limit:
+`SPECSPLIT_GLU_MAX_ROWS=N bench/device.sh profile`.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def glu(x, w, **cfg):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 5, 16, 80])
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 5, 16, 80], help="rows per call")
+    ap.add_argument("--out", required=True, help="raw results, one JSON line per configuration")
     ap.add_argument("--wide", action="store_true", help="the grid for 32-128-row blocks")
     args = ap.parse_args()
     torch.manual_seed(0)

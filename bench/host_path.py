@@ -57,6 +57,7 @@ class SimulatedRunner:
         self.queue_seconds = queue_seconds  # the step waits this long behind other GPU work first
         self.rng = random.Random(0)
         self.batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
+        self.feature_store = None  # no feature draft
         self.step_costs: dict = {}
         self.executor = self  # prefill: executor.run("prefill", ...) does nothing here
         self.widths: list[int] = []  # the width of every step
@@ -208,9 +209,9 @@ def run(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--steps", type=int, default=400)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64], help="requests running")
+    ap.add_argument("--steps", type=int, default=400, help="steps timed per batch")
     ap.add_argument("--k", type=int, default=0, help="draft tokens per request and step (0: plain)")
     ap.add_argument("--stream-interval", type=int, default=1, help="the target's --stream-interval")
     ap.add_argument("--stream-messages-per-step", type=int, default=None,
@@ -218,10 +219,10 @@ def main() -> int:
     ap.add_argument("--policy", default="fixed", choices=["fixed", "adaptive"], help="with --k > 0")
     # A simulated GPU: each step sleeps this long (0: returns at once), the draft answers this long after
     # the ask, and each drafted token is accepted with probability --alpha.
-    ap.add_argument("--step-ms", type=float, default=0.0)
+    ap.add_argument("--step-ms", type=float, default=0.0, help="simulated GPU time of a plain step")
     ap.add_argument("--per-position-ms", type=float, default=0.0, help="verify cost per extra position")
-    ap.add_argument("--round-trip-ms", type=float, default=0.0)
-    ap.add_argument("--alpha", type=float, default=1.0)
+    ap.add_argument("--round-trip-ms", type=float, default=0.0, help="simulated draft round trip")
+    ap.add_argument("--alpha", type=float, default=1.0, help="simulated per-token acceptance")
     ap.add_argument("--drain", action="store_true", help="staggered lengths: the batch drains (see run)")
     args = ap.parse_args()
     tokenizer = load_tokenizer()

@@ -12,8 +12,10 @@ A preset builds random bf16 weights of real model shapes on the GPU (no checkpoi
   - the weight-read floor (this rank's weight bytes / HBM bandwidth) and graph_ms's fraction of it;
   - a per-kernel breakdown from torch.profiler of eager steps (kernel GPU time, grouped).
 --tp 2 spawns the second rank (NCCL); every rank builds its own shard and replays the same graphs.
+Every figure is timed beside a one-kernel graph, the regime a service replays in (a process that holds a
+single graph replays it faster at B >= 4); --alone leaves it out. --context N puts N keys in the cache.
 The logits are what the target's step computes (bf16 for these models, read as fp32 by the rejection
-kernel); --fp32-logits adds the fp32 copy every step made before the twentieth session.
+kernel); --fp32-logits adds an fp32 copy of them in the graph (what an fp32 consumer would cost).
 --whole-step instead times the target service's own step (TargetRunner.step: forward + rejection kernel
 in one replay, TP=1) and prints its top kernels.
 """
@@ -86,7 +88,7 @@ def one_kernel_graph(device: torch.device) -> tuple[torch.cuda.CUDAGraph, torch.
     """A CUDA graph of one small kernel. Kept beside the timed graphs: a process that has instantiated a
     single graph replays it faster than once it holds two or more (B=4 width 5: 1.557 against 1.667 ms,
     B=16: 1.689 against 1.795; B=1 the same), whatever the second graph is and even after it is freed, and
-    a service holds dozens (bench/graph_probe.py, docs/benchmarks.md, twenty-fifth session)."""
+    a service holds dozens (docs/kernels.md, "One graph replays faster than two")."""
     x = torch.zeros(16, device=device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -268,17 +270,17 @@ def whole_step(args) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a checkpoint directory (loaded in bf16)")
     src.add_argument("--preset", choices=list(PRESETS), help="random weights of these shapes")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
-    ap.add_argument("--width", type=int, default=5)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="batch sizes, each captured")
+    ap.add_argument("--width", type=int, default=5, help="positions per request (k + 1)")
+    ap.add_argument("--tp", type=int, default=1, help="TP ranks (NCCL, one GPU each)")
+    ap.add_argument("--steps", type=int, default=50, help="eager steps profiled / step timings")
     ap.add_argument("--context", type=int, default=100, help="keys in the cache before the verified rows")
     ap.add_argument("--profile", action="store_true", help="add the per-kernel breakdown")
-    ap.add_argument("--fp32-logits", action="store_true", help="upcast the logits in the graph (as before)")
+    ap.add_argument("--fp32-logits", action="store_true", help="add an fp32 copy of the logits to the graph")
     ap.add_argument("--alone", action="store_true", help="no second graph (faster at B>=4 than served)")
     ap.add_argument("--out", help="write the JSON result here")
     ap.add_argument("--whole-step", action="store_true", help="time TargetRunner.step (needs --model)")

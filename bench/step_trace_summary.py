@@ -50,8 +50,8 @@ def split(run: list[dict]) -> dict[str, dict[str, float]]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("traces", nargs="+", type=Path)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("traces", nargs="+", type=Path, help="LOGS/target-*-steps.jsonl")
+    ap.add_argument("--batch", type=int, default=64, help="the runs whose largest B is this")
     ap.add_argument("--idle-ms", type=float, default=50.0, help="a gap this long starts a new run")
     ap.add_argument("--min-tokens", type=int, default=1000, help="runs with fewer tokens are warm-ups")
     args = ap.parse_args()

@@ -105,11 +105,13 @@ def sweep_shape(name: str, args, emit) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", nargs="+", type=int, default=[1, 5, 16, 80])
-    ap.add_argument("--shapes", nargs="+", default=["gate_up", "down", "qkv", "o_proj"])
-    ap.add_argument("--sweep", type=int, default=2)
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 5, 16, 80], help="rows per call")
+    ap.add_argument(
+        "--shapes", nargs="+", default=["gate_up", "down", "qkv", "o_proj"], help="GEMMs (SHAPES)"
+    )
+    ap.add_argument("--sweep", type=int, default=2, help="the tile grid: 1, 2 or 3 (see configs)")
+    ap.add_argument("--out", required=True, help="raw results, one JSON line per configuration")
     args = ap.parse_args()
     torch.manual_seed(0)
     with open(args.out, "a") as f:

@@ -13,6 +13,19 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
+def parse_feature_layers(value: Any) -> tuple[int, ...] | None:
+    """config.json 'feature_layers' (a list of target layer indices) -> a tuple; None when absent."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list | tuple)
+        or not value
+        or not all(isinstance(i, int) and i >= 0 for i in value)
+    ):
+        raise ValueError(f"config.json: feature_layers={value!r}: expected a non-empty list of layer indices")
+    return tuple(value)
+
+
 # Names the checkpoints, flags and tiny models use for weight dtypes.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -41,7 +54,14 @@ class ModelConfig:
     logit_scale: float = 1.0
     markov_rank: int = 0  # 0 = no Markov head
     draft_vocab_size: int | None = None  # set when the LM head covers a smaller draft vocab (d2t table)
+    # A feature draft (common/models/feature_draft.py): the target layers whose input streams it reads.
+    feature_layers: tuple[int, ...] | None = None
     name: str = ""
+
+    @property
+    def feature_size(self) -> int:
+        """Width of one position's target features: the chosen layers' streams side by side."""
+        return len(self.feature_layers or ()) * self.hidden_size
 
     @property
     def lm_head_vocab_size(self) -> int:
@@ -130,6 +150,7 @@ class ModelConfig:
             logit_scale=float(raw.get("logit_scale", 1.0)),
             markov_rank=int(raw.get("markov_rank", 0) or 0),
             draft_vocab_size=None if draft_vocab is None else int(draft_vocab),
+            feature_layers=parse_feature_layers(raw.get("feature_layers")),
             name=name,
         )
 

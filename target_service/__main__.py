@@ -18,7 +18,7 @@ from common.tp_executor import launch_tp, torchrun_rank, tp_gpu_uuids
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftLink
-from target_service.draft_local import LocalDraft, local_draft_config
+from target_service.draft_local import LocalDraft, draft_feature_layers, local_draft_config
 from target_service.draft_pool import DraftPool, default_server_name
 from target_service.runner import TargetRunner, tp_worker
 from target_service.scheduler import Scheduler
@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(config.switch_interval)
     # --draft-local's flags are checked before the target loads: a typo fails in seconds.
     draft_config = local_draft_config(config) if config.draft_local else None
+    if draft_config is not None and not config.draft_feature_layers:
+        config.draft_feature_layers = draft_feature_layers(draft_config.model)
     if torchrun_rank() > 0:
         # torchrun runs main() on every rank: ranks > 0 hold a model shard and serve rank 0's steps; the
         # ports (gRPC, health, /metrics) belong to rank 0 alone. launch_tp does not return here.
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         # Sent to each draft: one on the same GPUs drafts nothing ahead (it would delay the verify).
         target_gpus = tp_gpu_uuids(config.device, comm.world_size)
         if draft_config is not None:
-            link = LocalDraft(draft_config, metrics, mc.vocab_size, target_gpus)
+            link = LocalDraft(draft_config, metrics, mc.vocab_size, target_gpus, runner.feature_store)
         elif config.draft_address:
             token = read_token(config.draft_auth_token_file) if config.draft_auth_token_file else None
             creds = certificates.channel_credentials(

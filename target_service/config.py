@@ -18,6 +18,11 @@ class TargetConfig(ServiceConfig):
         "DIR'; device and dtype default to the target's): one GPU without the gRPC round trip between two "
         "services; the draft's metrics on its own --metrics-port (default 9401). Needs --tp-size 1",
     )
+    draft_feature_layers: str = flag(
+        "",
+        "target layers whose input streams a feature draft reads, e.g. 2,14,25 (its GetDraftInfo's "
+        "feature_layers; with --draft-local read from the draft's config)",
+    )
     draft_chain: bool = flag(
         True,
         "with --draft-local, launch the draft's next round for greedy requests right after each verify, "

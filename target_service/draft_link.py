@@ -1,6 +1,9 @@
 """The target's side of the draft connection: one long-lived Speculate stream (DraftLink; a draft in the
 target's own process, target_service/draft_local.py, is the same StreamLink without gRPC).
 
+This is the target's one seam to the draft: the rest of target_service sees a StreamLink, and a draft in
+this process through the `InProcessDraft` protocol below; only draft_local.py imports draft_service.
+
 A background thread keeps the stream up and reconnects with exponential backoff.
 Each new stream starts a new `epoch`: the draft lost all state, so the scheduler
 re-sends every running request. `send` queues one step's message; `receive` waits for
@@ -15,6 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import grpc
 
@@ -28,6 +32,36 @@ _STREAM_END = object()
 
 # Given each branches message met while waiting for an answer; True: the caller needs no answer.
 OnBranches = Callable[[draft_pb2.SpeculateResponse], bool]
+
+
+class ChainedRound(Protocol):
+    """A draft round launched from the verify's output on the device, for the next step (a draft in this
+    process; draft_service.runner.ChainedRound)."""
+
+    index: dict[int, int]  # draft id -> its row of the round
+
+    def tokens(self, request_id: int, n: int) -> list[int]:
+        """The first n tokens drafted for a request of the round (waiting for the GPU the first time)."""
+        ...
+
+
+class InProcessDraft(Protocol):
+    """A StreamLink to a draft in the target's own process (target_service/draft_local.py's LocalDraft):
+    it can launch the draft's next round from the verify output on the device (`chain`) and hold back
+    the ask that round answers (`send(hold=True)`)."""
+
+    in_process: bool  # True: it shares the scheduler's GIL
+    epoch: int
+
+    def send(self, msg: draft_pb2.SpeculateRequest, epoch: int, hold: bool = False) -> bool: ...
+
+    def chain(self, rows: list[tuple[int, int, list[int]]], packed: Any, width: int, epoch: int) -> None:
+        """The next round of `rows` ((row in `packed`, draft id, verified drafts)) from `packed`."""
+        ...
+
+    def take_chained(self, epoch: int) -> ChainedRound | None:
+        """The round chained to the latest verify, once (None: none, or of an older stream)."""
+        ...
 
 
 class StreamLink:

@@ -1,7 +1,7 @@
 """The draft model in the target's own process (`--draft-local`): one GPU, no gRPC between the two.
 
-Two services on one GPU pay a gRPC round trip per speculative step on top of the draft's round (one H200,
-B=1: 2.31 ms from ask to answer for a 1.41 ms round; the rest is serialisation and thread hand-offs in both
+Two services on one GPU pay a gRPC round trip per speculative step on top of the draft's round (B=1: 2.31
+ms from ask to answer for a 1.41 ms round; the rest is serialisation and thread hand-offs in both
 processes), and their kernels take turns between two CUDA contexts. Here the draft service's own stream
 logic (draft_service/stream.py: the same protocol, state, graphs and metrics) runs on a thread of the
 target's process and takes the scheduler's messages from a queue, one hand-off each way. A draft on GPUs
@@ -16,10 +16,13 @@ import shlex
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from common.config import ModelConfig
 from common.distributed import init_tp
+from common.features import FeatureStore
 from common.kv_cache import SlotTable
 from common.metrics import ServiceMetrics, start_metrics_server
 from common.service import model_label, service_metrics
@@ -49,11 +52,28 @@ def local_draft_config(target: TargetConfig) -> DraftConfig:
     return parse_config(DraftConfig, argv, "--draft-local", env=False)
 
 
+def draft_feature_layers(model: str) -> str:
+    """A feature draft's feature_layers as --draft-feature-layers takes them ("" for any other draft)."""
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        return ""
+    layers = ModelConfig.from_pretrained(path).feature_layers
+    return ",".join(map(str, layers or ()))
+
+
 class LocalDraft(StreamLink):
+    """The draft service's stream logic on a thread of this process: a StreamLink and an InProcessDraft
+    (target_service/draft_link.py), the target's one module that imports draft_service."""
+
     in_process = True  # the scheduler streams no tokens while it waits for this draft's round
 
     def __init__(
-        self, config: DraftConfig, metrics: ServiceMetrics, target_vocab_size: int, target_gpus: Sequence[str]
+        self,
+        config: DraftConfig,
+        metrics: ServiceMetrics,
+        target_vocab_size: int,
+        target_gpus: Sequence[str],
+        features: FeatureStore | None = None,
     ):
         """Loads the draft and captures its graphs (before the target serves: a capture must not overlap
         the target's kernels); `metrics` are the target's, the draft's own go to their own registry."""
@@ -63,7 +83,7 @@ class LocalDraft(StreamLink):
         registry = CollectorRegistry()  # this process's default registry holds the target's series
         self.draft_metrics = service_metrics("draft", config, registry, method=config.method)
         try:
-            runner = DraftRunner(init_tp(1, 0, device=rank_device(config.device, 0)), config)
+            runner = DraftRunner(init_tp(1, 0, device=rank_device(config.device, 0)), config, features)
         except (ValueError, FileNotFoundError) as exc:
             raise ValueError(f"--draft-local: cannot load the draft model: {exc}") from exc
         mc = runner.model.config
@@ -75,6 +95,11 @@ class LocalDraft(StreamLink):
         self.draft = DraftServicer(config, state, self.draft_metrics, model_label(config), mc.vocab_size, 1,
                                    mc.markov_rank > 0, tp_gpu_uuids(config.device, 1))  # fmt: skip
         self.draft.max_target_id = max_target_id
+        if runner.feature_layers:  # a feature draft reads the target's features where they are
+            if features is None:
+                raise ValueError("--draft-local: a feature draft needs the target's features "
+                                 "(--draft-feature-layers)")  # fmt: skip
+            self.draft.target_features = features
         self.info = self.draft.GetDraftInfo(draft_pb2.GetDraftInfoRequest(), None)
         self.metrics_port = -1
         try:

@@ -238,7 +238,8 @@ class DraftPool:
 
         def part(replica: Replica) -> Part:
             if replica not in parts:
-                parts[replica] = (draft_pb2.SpeculateRequest(step=msg.step), replica.link.epoch)
+                part = draft_pb2.SpeculateRequest(step=msg.step, protocol_version=msg.protocol_version)
+                parts[replica] = (part, replica.link.epoch)
             return parts[replica][0]
 
         for rid in msg.releases:

@@ -28,10 +28,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from common.features import FEATURE_PROTOCOL, FeatureStore, to_wire
 from common.metrics import ServiceMetrics
-from draft_service.runner import ChainedRound
 from specsplit.v1 import draft_pb2
-from target_service.draft_link import DraftLink
+from target_service.draft_link import ChainedRound, DraftLink
 from target_service.request import Request
 
 log = logging.getLogger("specsplit.target")
@@ -103,9 +105,17 @@ class Ask:
 
 
 class DraftSession:
-    def __init__(self, link: DraftLink | None, metrics: ServiceMetrics, timeout: float):
+    def __init__(
+        self,
+        link: DraftLink | None,
+        metrics: ServiceMetrics,
+        timeout: float,
+        features: FeatureStore | None = None,
+    ):
         self.link = link
-        # The draft runs in this process (target_service/draft_local.py) and shares its GIL.
+        self.features = features  # the target's features, for a draft that reads them (common/features.py)
+        self._feature_check: tuple[int, bool] = (-1, False)  # (epoch, whether the draft's layers match)
+        # The draft runs in this process (an InProcessDraft: draft_local.py) and shares its GIL.
         self.draft_in_process = bool(getattr(link, "in_process", False))
         self.metrics = metrics
         self.timeout = timeout
@@ -129,7 +139,7 @@ class DraftSession:
 
     def chain(self, batch: list[Request], drafts: list[list[int]], packed, width: int) -> None:
         """With the draft in this process: its next round for the greedy requests that verified drafts,
-        launched from the verify output `packed` on the device (LocalDraft.chain)."""
+        launched from the verify output `packed` on the device (InProcessDraft.chain)."""
         rows = [(i, req.draft.draft_id, d) for i, (req, d) in enumerate(zip(batch, drafts))
                 if d and req.temperature <= 0]  # fmt: skip
         if rows and self.link is not None and self.link.epoch == self.epoch:
@@ -164,33 +174,81 @@ class DraftSession:
     def _message(self, want: list[Request], ks: dict[int, int]) -> draft_pb2.SpeculateRequest:
         self.step_no += 1
         msg = draft_pb2.SpeculateRequest(
-            step=self.step_no, releases=self.releases, want_branches=self.want_branches
+            step=self.step_no,
+            releases=self.releases,
+            want_branches=self.want_branches,
+            protocol_version=FEATURE_PROTOCOL,
         )
         self.releases = []
+        feature_rows = []  # (message part, slot, first position, end): features the draft lacks
+        reads_features = self.draft_reads_features()
         for req in want:
             d = req.draft
             if d.synced < 0:
-                msg.starts.append(
-                    draft_pb2.DraftRequestStart(
-                        request_id=d.draft_id,
-                        token_ids=req.tokens,
-                        sampling=req.sampling,
-                        num_speculative_tokens=req.k,
-                    )
+                start = draft_pb2.DraftRequestStart(
+                    request_id=d.draft_id,
+                    token_ids=req.tokens,
+                    sampling=req.sampling,
+                    num_speculative_tokens=req.k,
                 )
+                msg.starts.append(start)
+                if reads_features:  # the message's own copy: append() copies
+                    feature_rows.append((msg.starts[-1], req.slot, 0, len(req.tokens) - 1))
             elif d.synced < len(req.tokens):
-                msg.verdicts.append(
-                    draft_pb2.Verdict(
-                        request_id=d.draft_id,
-                        start=d.synced,
-                        token_ids=req.tokens[d.synced :],
-                        accepted=d.last_accepted,
-                    )
+                verdict = draft_pb2.Verdict(
+                    request_id=d.draft_id,
+                    start=d.synced,
+                    token_ids=req.tokens[d.synced :],
+                    accepted=d.last_accepted,
                 )
+                msg.verdicts.append(verdict)
+                if reads_features:
+                    feature_rows.append(
+                        (msg.verdicts[-1], req.slot, max(d.synced - 1, 0), len(req.tokens) - 1)
+                    )
             d.synced = len(req.tokens)
+        if feature_rows:
+            self._attach_features(feature_rows)
         msg.propose.extend(ks)
         msg.propose_k.extend(ks.values())
         return msg
+
+    def draft_reads_features(self) -> bool:
+        """Whether the draft reads target features and this target captures its layers. A mismatch is
+        logged once per stream and leaves the draft unused (plain decoding), not fed wrong features."""
+        info = getattr(self.link, "info", None)
+        if info is None or not info.feature_layers:
+            return False
+        epoch = self.link.epoch
+        if self._feature_check[0] != epoch:
+            have = self.features.layers if self.features is not None else ()
+            ok = tuple(info.feature_layers) == tuple(have)
+            if not ok:
+                log.error("the draft reads the target's features of layers %s; this target captures %s: "
+                          "start it with --draft-feature-layers %s", list(info.feature_layers), list(have),
+                          ",".join(map(str, info.feature_layers)))  # fmt: skip
+            self._feature_check = (epoch, ok)
+        return self._feature_check[1]
+
+    def _attach_features(self, rows: list) -> None:
+        """Each (start or verdict, slot, first, end) gets the features of positions first..end - 1: in this
+        process the slot (the draft copies on the device), else bf16 bytes from one device gather."""
+        if self.draft_in_process:
+            for part, slot, _, _ in rows:
+                if isinstance(part, draft_pb2.DraftRequestStart):
+                    part.target_slot = slot
+            return
+        data = self.features.data
+        gathered = torch.cat([data[slot, first:end] for _, slot, first, end in rows])
+        payload = to_wire(gathered)
+        row_bytes = 2 * self.features.size
+        at = 0
+        for part, _, first, end in rows:
+            n = max(end - first, 0) * row_bytes
+            part.features = payload[at : at + n]
+            at += n
+        # Part of the messages counted by kind "speculate", and apart under their own kind.
+        self.metrics.grpc_bytes("sent", "target_features").inc(len(payload))
 
     def ask(self, batch: list[Request], k: int, max_context: int) -> None:
         """Ask for min(k, r.k) tokens for every request of `batch` that can take them; no waiting.
@@ -210,8 +268,8 @@ class DraftSession:
         chained = link.take_chained(self.epoch) if self.draft_in_process else None
         ks = {}
         want = []
-        # A plain step (k = 0) asks for nothing unless a request pins its k: no per-request pass then. At
-        # B=64 on one H200 the adaptive target's plain steps ran ~4 % slower than a target without a draft.
+        # A plain step (k = 0) asks for nothing unless a request pins its k: no per-request pass then (at
+        # B=64 that pass made the adaptive target's plain steps ~4 % slower than a target without a draft).
         for r in batch if k > 0 or any(r.pinned_k for r in batch) else ():
             # A seeded sampled request keeps its own k: its output then depends on its seed alone, not
             # on the batch it shares (the policy's k does; greedy output never depends on k).
@@ -226,7 +284,7 @@ class DraftSession:
         msg = self._message(want, ks)
         if chained is not None and (msg.starts or any(rid not in chained.index for rid in ks)):
             chained = None
-        # An ask the chained round answers is held back on the draft's side (LocalDraft.send).
+        # An ask the chained round answers is held back on the draft's side (InProcessDraft.send).
         sent = link.send(msg, self.epoch, hold=True) if chained is not None else link.send(msg, self.epoch)
         if sent:
             longest = max(ks.values()) + 1

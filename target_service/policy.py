@@ -19,40 +19,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from target_service.gate import SPECULATION_HANDICAP, ModeGate
+from target_service.gate import SPECULATION_GATE, GateConfig, ModeGate
 from target_service.request import Request, SpecStats
 from target_service.step_costs import StepCosts
 
 FIXED, ADAPTIVE = "fixed", "adaptive"
-# A timed k that the policy stops choosing keeps its old median, which may date from the warm-up (on one
-# H200 at B=1 the k = 4 entry said 7.0 ms while steady k = 4 steps took 5.0: the policy sat at k = 3, below
-# fixed k = 4). So once a timed k within REFRESH_WITHIN of the best estimated goodput has gone REFRESH_AGE
-# steady steps at its bucket without a sample, it runs REFRESH_STEPS steps and its old samples are dropped.
-# A k never timed there counts as old as the bucket: its estimate from parts can be as wrong (one H200,
-# B=1, the draft in the target: k = 4 estimated at 6.2 ms, never tried, while k = 2 timed at 3.5 ms held the
-# policy at 1.11-1.25x plain where fixed k = 4 ran 1.36-1.52x).
+# A timed k within REFRESH_WITHIN of the best estimated goodput that has gone REFRESH_AGE steady steps at
+# its bucket without a sample runs REFRESH_STEPS steps and drops its old samples: a median from the
+# warm-up can hold the policy off the best k. An untimed k counts as old as the bucket.
 REFRESH_AGE, REFRESH_STEPS, REFRESH_WITHIN = 64, 4, 0.6
-# A k never timed at a bucket is tried sooner: after UNTIMED_AGE steady steps there. A new bucket's first
-# choice rests on parts, which overestimate a k whose draft wait overlaps its verify: one H200, B=64, the
-# draft in the target (twenty-fifth session), the first run at that bucket chose k = 3 (timed in a short
-# warm-up) for 27 steps at 33 k tok/s estimated while k = 4, untimed, ran at 38 k once tried. Knowing
-# early pays for the whole life of the bucket; a k that loses its try waits REFRESH_AGE and more after it.
+# A k never timed at a bucket is tried after UNTIMED_AGE steady steps there: estimates from parts
+# overestimate a k whose draft wait overlaps its verify, and knowing early pays for the bucket's life.
 UNTIMED_AGE = 8
-# A k that its refresh leaves behind waits twice as long for the next one (up to REFRESH_AGE_MAX steps);
-# one that wins starts over. Refreshes are tries of a worse k: one H200, B=64, the draft's rounds chained
-# (rivals k = 2 and 3 within REFRESH_WITHIN, k = 1 at its edge), k = 1 and k = 2 ran 4 % of the full-batch
-# steps each, and the adaptive target ran 8 % below fixed k = 4 (with the tail's samples, _learn_costs).
-# A rival that grows faster is then found within REFRESH_AGE_MAX steps; a best k that grows slower is
-# left at once (its own steps keep its median current).
+# A k that its refresh leaves behind waits twice as long for the next (up to REFRESH_AGE_MAX steps); one
+# that wins starts over. Refreshes are tries of a worse k, so a clear loser is re-checked rarely.
 REFRESH_AGE_MAX = 512
-# After plain steps, a batch whose requests all have decoded at least SWITCH_ON_MIN_LEFT tokens and have
-# fewer than that left stays plain: its first speculative step would pay the draft's catch-up on every
-# token since (8-13 ms per step at B = 17-59 after ~300 plain steps, one H200), more than its last few steps
-# can win back. One H200, B=64 (thirteenth session): requests put out of step by a try of speculation
-# finished over a tail of 10-18 steps through the smaller buckets, where speculation was on (it wins at
-# B <= 16), and the adaptive target's tails cost 46-109 ms of ~1250 ms runs (0.93-0.97x plain). Requests
-# that have barely started are exempt: the draft's work for them (the prompt) is the same now or later.
+# After plain steps, a batch whose requests have all decoded at least SWITCH_ON_MIN_LEFT tokens and have
+# fewer than that left stays plain: the draft's catch-up on every token since would cost more than the
+# last few steps win back. Requests that have barely started are exempt (their prompt costs the same).
 SWITCH_ON_MIN_LEFT = 32
+# A batch whose drafts promise less than MIN_GAIN more tokens per step at every k runs plain without any
+# try of speculation (no timing, refresh or gate window): no verify wider than one position costs that
+# little. One step in REPROBE_EVERY of such steps still speculates, so a draft that improves is seen.
+MIN_GAIN, REPROBE_EVERY = 0.02, 1024
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -71,6 +60,7 @@ class SpeculationPolicy:
         costs: StepCosts,
         prior_alpha: float = 0.7,
         gate: bool = True,
+        gate_config: GateConfig = SPECULATION_GATE,
     ):
         if mode not in (FIXED, ADAPTIVE):
             raise ValueError(f"--speculation-policy: {mode!r} is not one of fixed, adaptive")
@@ -81,11 +71,12 @@ class SpeculationPolicy:
         self.first_prior = prior_alpha
         self.service = SpecStats()
         # Speculation on or off per batch bucket, by measured throughput (None: the model decides).
-        self.gate = ModeGate(costs, on_handicap=SPECULATION_HANDICAP) if gate and mode == ADAPTIVE else None
+        self.gate = ModeGate(costs, gate_config) if gate and mode == ADAPTIVE else None
         self.gated = False
         self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
         self.refresh_age: dict[tuple[int, int], int] = {}  # (bucket, k) -> its wait (default REFRESH_AGE)
         self.last_k: int | None = None  # the k chosen for the last step (None: none chosen yet)
+        self.hopeless_steps = 0  # steps in a row whose drafts promised less than MIN_GAIN
 
     @property
     def prior_alpha(self) -> float:
@@ -117,14 +108,21 @@ class SpeculationPolicy:
         self.gated = False  # the step this chooses for is one of the gate's (observe_step)
         if self.mode == FIXED or max_k == 0:
             return max_k
+        tokens = self.batch_tokens(batch, max_k)
+        if tokens[max_k] < (1 + MIN_GAIN) * tokens[0]:
+            self.hopeless_steps += 1
+            if self.hopeless_steps % REPROBE_EVERY:
+                return 0  # not one of the gate's steps either: nothing for speculation to win here
+        else:
+            self.hopeless_steps = 0
         if self.gate is not None and self.gate.mode(len(batch)) is False:
             self.gated = True  # off for this window: no estimate needed (a plain step's host time) ...
             if self.gate.unmeasured(len(batch)):  # ... but in plain's first windows the model may end them
-                goodput = self._goodput(batch, max_k)
+                goodput = self._goodput(batch, tokens)
                 if isinstance(goodput, list):
                     self._tell_gate(len(batch), goodput, self._best_on(goodput))
             return 0
-        goodput = self._goodput(batch, max_k)
+        goodput = self._goodput(batch, tokens)
         if isinstance(goodput, int):
             return goodput  # no verify cost measured at or below this width for this batch: measure it
         best_k = max(range(max_k + 1), key=goodput.__getitem__)
@@ -139,12 +137,11 @@ class SpeculationPolicy:
             best_k = best_on
         return self._refresh(len(batch), best_k, goodput) if best_k else 0
 
-    def _goodput(self, batch: Sequence[Request], max_k: int) -> list[float] | int:
-        """Expected output tokens per second of a step at each k in 0..max_k, or the first k with no
-        cost to estimate it from."""
-        tokens = self.batch_tokens(batch, max_k)
+    def _goodput(self, batch: Sequence[Request], tokens: list[float]) -> list[float] | int:
+        """Expected output tokens per second of a step at each k in 0..max_k (tokens: `batch_tokens`), or
+        the first k with no cost to estimate it from."""
         goodput = []
-        for k in range(max_k + 1):
+        for k in range(len(tokens)):
             seconds = self.costs.step_seconds(len(batch), k)
             if seconds is None:
                 return k

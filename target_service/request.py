@@ -90,6 +90,15 @@ class Request:
     # the streamer with the chunk's tokens).
     pending_logprobs: list[target_pb2.TokenLogprob] = field(default_factory=list)
 
+    def usage(self) -> target_pb2.Usage:
+        return target_pb2.Usage(
+            prompt_tokens=len(self.prompt),
+            output_tokens=len(self.output),
+            drafted_tokens=self.spec.drafted,
+            accepted_tokens=self.spec.accepted,
+            steps=self.spec.steps,
+        )
+
     @property
     def sampling(self) -> sampling_pb2.SamplingParams:
         return sampling_pb2.SamplingParams(

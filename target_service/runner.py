@@ -25,6 +25,7 @@ import torch
 from common.batch import pack
 from common.cuda_graphs import buckets, capture, warm_eager_shapes
 from common.distributed import Comm, add_comm_stats
+from common.features import FeatureStore, parse_ints
 from common.kernels import skinny
 from common.kernels.fused import eager_shapes
 from common.kernels.rejection import verify
@@ -78,7 +79,7 @@ class StepBuffers:
 
     The graph reads the device buffer; `load` fills the pinned host mirror and issues one copy, so a
     step costs one host-to-device copy whatever its size (each copy is a driver call on the step's
-    critical path: in the H200 profile two of them were ~10 % of the scheduler thread's samples).
+    critical path: in a GPU profile two of them were ~10 % of the scheduler thread's samples).
     """
 
     def __init__(self, batch: int, width: int, scratch_slot: int, device: torch.device):
@@ -183,6 +184,17 @@ class TargetRunner:
         # One slot per request plus a scratch slot for the padded rows of static-shape steps.
         self.scratch_slot = config.max_batch_size
         self.cache = KVCache.for_model(self.model, config.max_batch_size + 1, self.max_len)
+        # A feature draft's features: written by every forward (the graphs too), rank 0 hands them over.
+        layers = parse_ints(config.draft_feature_layers, "--draft-feature-layers")
+        if layers and comm.rank == 0:
+            if max(layers) >= mc.num_hidden_layers:
+                raise ValueError(f"--draft-feature-layers: {max(layers)} is not a layer of the target "
+                                 f"(0..{mc.num_hidden_layers - 1})")  # fmt: skip
+            p = self.model.model.embed_tokens.weight
+            self.model.feature_store = FeatureStore(
+                layers, mc.hidden_size, self.cache.num_slots, self.max_len, p.dtype, p.device
+            )
+        self.feature_store = self.model.feature_store  # what the draft session reads (rank 0)
         self.batch_buckets = buckets(config.max_batch_size)
         self.ctx_buckets = buckets(self.max_len, min(CTX_MIN, self.max_len))
         self.use_graphs = config.cuda_graphs and self.device.type == "cuda"
@@ -220,7 +232,7 @@ class TargetRunner:
         self.steps_ended = 0
         # The stream the steps run on, looked up once: `Event.record()` without one finds the current
         # stream through torch.cuda.is_available() and an environment read, 13 % of the scheduler
-        # thread's GIL samples at B=1 in the H200 profile (docs/benchmarks.md, tenth session).
+        # thread's GIL samples at B=1 in a GPU profile.
         self.stream = torch.cuda.current_stream(self.device) if self.events is not None else None
         self.executor = TPExecutor(comm, {"prefill": self.prefill, "verify_step": self.verify_step})
         # Plain decoding (width 1) up to the default k: every width the scheduler produces by default.

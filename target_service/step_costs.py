@@ -50,8 +50,8 @@ class StepCosts:
         self.batch_buckets = list(batch_buckets)
         self._index = {b: i for i, b in enumerate(self.batch_buckets)}
         # The verify's lower median: a width's start-up timing and one stalled served sample (107 ms beside
-        # ~2, one H200, B=1) averaged into a price that kept the policy off that k, so no sample came to
-        # replace it; a price too low corrects itself (the k is chosen and its whole steps timed).
+        # ~2) would average into a price that keeps the policy off that k, so no sample comes to replace
+        # it; a price too low corrects itself (the k is chosen and its whole steps timed).
         self.verify = Medians(window, low=True)  # (bucket, width) -> the verify forward
         self.draft = Medians(window)  # (bucket, k) -> the wait for the draft's answer
         self.step = Medians(window)  # (bucket, k) -> a whole steady step
@@ -125,9 +125,8 @@ class StepCosts:
         if seconds is None:
             return self._nearest_below(self.verify, b, width)
         if (b, width) not in self.served and b in self.drift:
-            # Start-up timings can be off by a factor: one H200 timed B=1 widths 2-4 while the draft on the
-            # same GPU captured its own graphs, and k = 1-3 were then estimated at 7.4-8.5 ms against
-            # 4.3-5.7 ms served at k = 4. A width never served takes the ratio a served one shows.
+            # Start-up timings can be off by a factor (taken while a draft on the same GPU captures its own
+            # graphs). A width never served takes the ratio a served one shows.
             return seconds * self.drift[b]
         return seconds
 
@@ -164,11 +163,9 @@ class StepCosts:
         batch); else its parts (`parts_seconds`) scaled by whole / parts of the nearest timed step (None:
         no verify cost at or below width k + 1 is known for this batch).
 
-        The parts alone ran 1.4-2.9x the timed steps on one H200 (1.5B preset, colocated: B=1 k = 1-3
-        estimated at 7-8 ms against 5.5 ms timed at k = 4; a draining batch at bucket 32 estimated k = 4 at
-        22.8 ms, between 5.8 ms at bucket 16 and 11.6 at 64): the draft wait of a steady exchange is a
-        whole round trip, which draft-ahead hides in most steps. A batch draining through bucket 32 then
-        sat at the one k it had timed there (k = 2) and an untimed k was never tried."""
+        The parts alone run 1.4-2.9x the timed steps (1.5B preset, colocated): the draft wait of a steady
+        exchange is a whole round trip, which draft-ahead hides in most steps. Unscaled, a batch draining
+        through a bucket sits at the one k it timed there and never tries an untimed one."""
         b = self.bucket(batch)
         if (b, k) in self.step:
             return self.step[b, k]

@@ -37,10 +37,9 @@ class Streamer:
         # request per step costs the event loop more CPU than the rest of the step's host work.
         self.interval = interval
         # At most `per_step` messages per step (0: no limit), the requests that waited longest first; the
-        # others keep their tokens for a later step. One H200, 1.5B preset, plain B=64: host time per step
-        # 4.6 ms with a message per request per step, 2.4 ms with one per four (docs/benchmarks.md, ninth
-        # session); a limit keeps streams token by token up to `per_step` requests and bounds the
-        # writes above that, where --stream-interval chunks every stream at every batch size.
+        # others keep their tokens for a later step (plain B=64 on the 1.5B preset: 4.6 ms of host time per
+        # step with a message per request, 2.4 with one per four). Streams stay token by token up to
+        # `per_step` requests, where --stream-interval chunks every stream at every batch size.
         self.per_step = per_step
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="streamer", daemon=True)

@@ -31,9 +31,12 @@ def demo_models(tmp_path_factory: pytest.TempPathFactory) -> DemoModels:
 # file. The longest groups are handed out first, so that none of them starts last and runs alone.
 LONGEST_FIRST = (
     "chi_square_service",
+    "test_feature_draft.py",
+    "chi_square_feature",
     "test_services_lossless.py",
     "test_rejection_sampled.py",
     "test_gguf.py",
+    "test_gguf_qwen2.py",
     "test_sdk_unit.py",
     "test_services_faults.py",
     "test_load.py",

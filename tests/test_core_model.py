@@ -19,7 +19,7 @@ from common.layers.vocab import ParallelLMHead, pad_vocab_size
 from common.loader import check_local_argmax, load_model, load_tokenizer
 from common.models.generate import forward_rows, greedy_generate
 from common.tiny import main as tiny_main
-from common.tiny import make_tiny_model
+from tests.tiny import make_tiny_model
 
 ATOL = 1e-5
 

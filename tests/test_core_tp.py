@@ -18,7 +18,7 @@ from common.layers.logits import LogitsProcessor, top_tokens
 from common.layers.vocab import ParallelLMHead, pad_vocab_size
 from common.loader import load_model
 from common.models.generate import forward_rows
-from common.tiny import make_tiny_model
+from tests.tiny import make_tiny_model
 
 pytestmark = pytest.mark.slow  # multi-process
 

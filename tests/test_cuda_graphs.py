@@ -11,7 +11,7 @@ from common.cuda_graphs import StaticStep, buckets
 from common.distributed import init_tp
 from common.kv_cache import KVCache
 from common.loader import load_model
-from common.tiny import make_tiny_model
+from tests.tiny import make_tiny_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -21,7 +21,6 @@ from prometheus_client import CollectorRegistry
 from common.distributed import init_tp
 from common.kv_cache import SlotTable
 from common.metrics import ServiceMetrics
-from common.tiny import make_tiny_model
 from common.tp_executor import tp_gpu_uuids
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftRunner
@@ -29,6 +28,7 @@ from draft_service.server import DraftServicer
 from draft_service.state import DraftState
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 from target_service.draft_link import DraftLink
+from tests.tiny import make_tiny_model
 
 VOCAB = 512
 K = 3

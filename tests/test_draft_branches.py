@@ -11,10 +11,10 @@ import torch
 
 from common.distributed import init_tp
 from common.kv_cache import SlotTable
-from common.tiny import make_tiny_model
 from draft_service.config import DraftConfig
 from draft_service.runner import DraftRunner
 from draft_service.state import DraftState
+from tests.tiny import make_tiny_model
 
 K = 3
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on the GPU: the Triton kernels and CUDA graphs

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import draft_service.runner as runner_mod
+import draft_service.rounds as runner_mod
 from common.distributed import init_tp
-from common.tiny import make_tiny_model
 from draft_service.config import DraftConfig
-from draft_service.runner import CATCH_UP_WIDTHS, DraftRunner
+from draft_service.rounds import CATCH_UP_WIDTHS
+from draft_service.runner import DraftRunner
+from tests.tiny import make_tiny_model
 
 K = 3
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -127,7 +127,7 @@ def host_dot_is_row_invariant() -> bool:
     """Whether this host's float32 matmul, the Triton interpreter's tl.dot, gives a row the same bits
     wherever it sits in a block. On a GPU every row of an MMA sums in one order; OpenBLAS on an AVX2 CPU
     (AMD EPYC, its Haswell kernels) does not: one query at rows 5 and 9 of an attention block came out
-    one ulp apart there (twenty-sixth session's dev machine; the earlier ones had AVX-512)."""
+    one ulp apart there (AVX-512 hosts agree)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
@@ -202,8 +202,8 @@ def test_attention_row_is_the_same_whatever_step_computes_it():
     """A query's output, bit for bit, does not depend on the step around it: alone (B=1) or beside 63
     other rows, at a context bucket of 512 or 1024 keys. Plain and verify steps that reach the same
     position differ in exactly these, and bf16 speculative output equals plain output only if they agree
-    (`fused.split_chunk`; the combine sums splits in order: on the H200 the earlier tree over a block of
-    4 or 8 splits failed this at (1, 1024), nineteenth session). A short row also at the 128-key bucket
+    (`fused.split_chunk`; the combine sums splits in order: on the GPU a tree over a block of 4 or 8
+    splits fails this at (1, 1024)). A short row also at the 128-key bucket
     (one split, stored without the combine) and the 256-key one (two). On the GPU also one token (a
     plain step) against the first of five (a verify: another query-block size; the CPU interpreter's
     numpy matmul rounds those differently)."""
@@ -315,7 +315,7 @@ def test_whole_model_kernel_path_matches_reference_path(tmp_path, monkeypatch, a
     from common.kv_cache import KVCache
     from common.loader import load_model
     from common.models.generate import forward_rows
-    from common.tiny import make_tiny_model
+    from tests.tiny import make_tiny_model
 
     path = make_tiny_model(
         tmp_path / "m", seed=2, num_layers=2, architecture=architecture, num_kv_heads=num_kv_heads
@@ -347,7 +347,7 @@ def test_whole_model_branch_row_matches_fresh_forward(tmp_path, monkeypatch, ker
     from common.kv_cache import KVCache
     from common.loader import load_model
     from common.models.generate import forward_rows
-    from common.tiny import make_tiny_model
+    from tests.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", seed=3, num_layers=2, architecture="Qwen2ForCausalLM")
     model = load_model(path, Comm(), device=DEVICE)

@@ -20,7 +20,6 @@ from common.gguf import export_layers, permute_rows, unpermute_rows
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.generate import forward_rows
-from common.tiny import make_tiny_model
 from common.tokenizer import ChatTemplateError, Tokenizer, load_tokenizer
 from specsplit import cli
 from specsplit.client import Client
@@ -28,6 +27,7 @@ from specsplit.demo import DEMO_DRAFT_LAYERS, smollm2_gguf
 from specsplit.v1 import sampling_pb2, target_pb2
 from target_service.detok import StreamDetokenizer
 from tests.service_util import generate_many, running, start_draft, start_target
+from tests.tiny import make_tiny_model
 
 # Loads a 135M model three times (ours, transformers', the service's): minutes on a loaded 2-core box.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

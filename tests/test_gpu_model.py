@@ -1,7 +1,6 @@
 """GPU-only: the fused forward (Triton kernels, merged projections) against the CPU reference path, and
 NCCL tensor parallelism (TP=2 equals TP=1; local argmax inside a CUDA-graph replay equals the full
-argmax). Skipped without CUDA; the TP test needs two GPUs (run on nvidia-h200-x2, see
-docs/benchmarks.md, "Model speed and TP (issue 11)")."""
+argmax). Skipped without CUDA; the TP test needs two GPUs."""
 
 from __future__ import annotations
 
@@ -17,8 +16,8 @@ from common.distributed import Comm, init_tp
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.generate import forward_rows, greedy_generate
-from common.tiny import make_tiny_model
 from common.tp_executor import NO_MULTICAST_ENV
+from tests.tiny import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

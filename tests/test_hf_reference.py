@@ -10,7 +10,7 @@ from common.distributed import init_tp
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.generate import forward_rows, greedy_generate
-from common.tiny import make_tiny_model
+from tests.tiny import make_tiny_model
 
 ARCHS = {
     "qwen3": dict(architecture="Qwen3ForCausalLM"),

@@ -1,10 +1,10 @@
 """The forward's Triton kernels compiled for the H200 (sm_90) on the CPU, without a GPU: Triton's own
 compiler and ptxas (shipped in its wheel) check what the CPU interpreter cannot. Each kernel launched
 with programmatic dependent launch carries its `griddepcontrol` instructions (and none without PDL), and
-skinny_linear's largest tile fits the H200's shared memory (under Triton 3.6 on the GPU machine a 32-row
-block did not: 328 KB of 227, the sixteenth session's first GPU call; this Triton lays that one out in
-192 KB, so the check's power is shown on a 64-row block), and its dot is one chain of MMAs over K, in
-K order (the summation the cuBLAS verify shares; common/kernels/skinny.py says why). Compiler versions
+skinny_linear's largest tile fits the H200's shared memory (under Triton 3.6 a 32-row block did not:
+328 KB of 227; this Triton lays that one out in 192 KB, so the check's power is shown on a 64-row
+block), and its dot is one chain of MMAs over K, in K order (the summation the cuBLAS verify shares;
+common/kernels/skinny.py says why). Compiler versions
 differ in their layouts: the GPU tests (tests/test_skinny_linear.py on the device) remain the final word.
 
 Compiled in a subprocess: the suite runs under TRITON_INTERPRET=1, where `triton.jit` builds

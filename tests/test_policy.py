@@ -5,13 +5,13 @@ the gate measures whether speculation pays at all."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
-from target_service import gate as gate_module
 from target_service import policy as policy_module
 from target_service.detok import StreamDetokenizer
-from target_service.gate import ModeGate
+from target_service.gate import BRANCH_GATE, SPECULATION_GATE, GateConfig, ModeGate
 from target_service.policy import SpeculationPolicy, expected_tokens
 from target_service.request import Request, check_stop
 from target_service.step_costs import StepCosts
@@ -217,6 +217,24 @@ def test_new_requests_start_from_the_service_acceptance():
     assert policy.choose(reqs(1)) == 0  # a fresh request does not re-learn that
 
 
+def test_a_draft_that_is_never_right_costs_no_tries():
+    """Once the service's acceptance says no k can add MIN_GAIN tokens per step, the policy runs plain:
+    no timing of an untimed k, no refresh, no gate window; one step in REPROBE_EVERY still tries, so a
+    draft that gets better is noticed."""
+    c = StepCosts(BUCKETS)  # nothing timed: a promising draft would make the policy measure every k
+    c.observe_verify(16, 1, 2e-3)
+    policy = SpeculationPolicy("adaptive", c)
+    assert policy.choose(reqs(16)) > 0  # prior 0.7: measure a wider step
+    for _ in range(2000):
+        policy.observe(drafted=4, accepted=0)
+    chosen = [policy.choose(reqs(16)) for _ in range(2 * policy_module.REPROBE_EVERY)]
+    assert chosen.count(0) == len(chosen) - 2 and sum(k > 0 for k in chosen) == 2, sorted(set(chosen))
+    # Power: a draft right half the time is measured at once.
+    for _ in range(2000):
+        policy.observe(drafted=2, accepted=1)
+    assert policy.choose(reqs(16)) > 0
+
+
 def _bucket_windows(gate: ModeGate, batch: int, rate, steps: int, model=None) -> list[tuple[bool, int]]:
     """(mode, steps) of each window `gate` runs at `batch`, when a step emits 4 tokens at rate(step, on)
     tokens per second; model = (on, off): the policy's model rates, told to the gate every step."""
@@ -233,9 +251,9 @@ def _bucket_windows(gate: ModeGate, batch: int, rate, steps: int, model=None) ->
     return [tuple(w) for w in windows]
 
 
-def _gate_windows(rate, steps: int = 16 * 64) -> list[tuple[bool, int]]:
+def _gate_windows(rate, steps: int = 16 * 64, config: GateConfig = BRANCH_GATE) -> list[tuple[bool, int]]:
     """The same for a fresh gate at B=1."""
-    return _bucket_windows(ModeGate(StepCosts([1, 2, 4])), 1, rate, steps)
+    return _bucket_windows(ModeGate(StepCosts([1, 2, 4]), config), 1, rate, steps)
 
 
 def _share_on(windows: list[tuple[bool, int]]) -> float:
@@ -252,7 +270,7 @@ def test_gate_keeps_the_faster_mode_and_still_tries_the_other():
     assert all(w == (True, 16) for i, w in enumerate(windows[4:-1], 4) if i not in (20, 52))  # [-1]: cut
     assert 0.97 <= _share_on(windows[4:]) < 1.0
     # Branches slower (a draft whose branch round outlasts the target's step): off almost always; on at
-    # 0.78x is not a clear loss (EARLY_LOSS 0.75), but its steps are longer (4 tokens in 5.1 ms against
+    # 0.78x is not a clear loss (early_loss 0.75), but its steps are longer (4 tokens in 5.1 ms against
     # 4 ms): a try lasts as long as an off window; at 0.6x it is (tries of 6 steps).
     windows = _gate_windows(lambda step, on: 780.0 if on else 1000.0)
     assert windows[:4] == [(True, 8), (True, 16), (False, 8), (False, 16)]
@@ -283,9 +301,9 @@ def test_gate_tries_a_losing_mode_less_often_and_follows_a_change_at_once():
     assert ons == [3, 5, 9, 17, 33, 65] and all(after[i] == (True, 6) for i in ons), ons
 
 
-def test_one_slow_window_of_the_better_mode_costs_one_window_of_the_other(monkeypatch):
+def test_one_slow_window_of_the_better_mode_costs_one_window_of_the_other():
     # One H200, B=1: branches on ran ~650 tok/s, off ~446 (here 420: the capped reading below stays above
-    # EARLY_LOSS 0.75 of it); one window on at ~270 (smoothed with the one before: 460) put them below
+    # early_loss 0.75 of it); one window on at ~270 (smoothed with the one before: 460) put them below
     # off, and off then held for the rest of the run (its next try was 16 windows away). Now the mode
     # that fell is tried again after one window, and stays.
     def rate(step: int, on: bool) -> float:
@@ -293,21 +311,20 @@ def test_one_slow_window_of_the_better_mode_costs_one_window_of_the_other(monkey
             return 270.0 if 16 * 40 <= step < 16 * 41 else 650.0
         return 420.0
 
-    def after_slow() -> list[tuple[bool, int]]:
-        windows = _gate_windows(rate, steps=16 * 80)
+    def after_slow(config: GateConfig = BRANCH_GATE) -> list[tuple[bool, int]]:
+        windows = _gate_windows(rate, 16 * 80, config)
         starts = [sum(n for _, n in windows[:i]) for i in range(len(windows))]
         slow = next(i for i, s in enumerate(starts) if s + windows[i][1] > 16 * 40)
         return windows[slow:]
 
-    # Its steps at 2.4x the mode's mean count at STALL_CAP (2x): the slow window reads 325 (smoothed: 487),
+    # Its steps at 2.4x the mode's mean count at stall_cap (2x): the slow window reads 325 (smoothed: 487),
     # still above off, and on holds (but for the usual tries of off, 16 windows apart).
     after = after_slow()
     assert after[:3] == [(True, 16), (True, 16), (True, 16)], after[:3]
     assert _share_on(after) > 0.9
     # Counted whole: the slow stretch (its second window ends early: below 0.75x off), then off for one
     # window, then on for good.
-    monkeypatch.setattr(gate_module, "STALL_CAP", float("inf"))
-    after = after_slow()
+    after = after_slow(replace(BRANCH_GATE, stall_cap=float("inf")))
     assert after[:4] == [(True, 11), (True, 6), (False, 16), (True, 16)], after[:4]
     assert _share_on(after[3:]) > 0.9
 
@@ -634,14 +651,14 @@ def test_exploring_is_a_try_or_a_second_modes_first_windows_and_best_is_the_fast
 
 
 def _near_tie_share_on(
-    seed: int, on_tokens: int = 210, handicap: float = 0.0, stall_every: int = 0
+    seed: int, on_tokens: int = 210, config: GateConfig = BRANCH_GATE, stall_every: int = 0
 ) -> tuple[float, int]:
     """(share of time with speculation on, switches) at B=64 for speculation's gate when speculative steps
     run 0.94x plain's rate (210 tokens in 9.4 ms against 64 in 2.7 ms; `on_tokens` sets another) and every
     40 ms of GPU time the rates move together by a lognormal factor (sigma 0.08: one H200's B=64 plain
     windows ranged 17.5-23.8 k tok/s), after the first eight windows; every `stall_every`-th step (0:
     none) stalls 7 ms more (one H200, B=64: single 8.9-9.7 ms steps among 2.6 ms ones)."""
-    gate, rng = ModeGate(StepCosts(BUCKETS), on_handicap=handicap), random.Random(seed)
+    gate, rng = ModeGate(StepCosts(BUCKETS), config), random.Random(seed)
     step = {True: (on_tokens, 9.4e-3), False: (64, 2.7e-3)}
     t, period, factor, time_on, time_all, switches, last = 0.0, -1, 1.0, 0.0, 0.0, 0, None
     for i in range(16 * 400):
@@ -661,35 +678,33 @@ def _near_tie_share_on(
     return time_on / time_all, switches
 
 
-def test_a_near_tie_in_noisy_windows_keeps_the_better_mode(monkeypatch):
-    # The mode held best stays so within HYSTERESIS: a quarter as many switches (each costs the draft a
+def test_a_near_tie_in_noisy_windows_keeps_the_better_mode():
+    # The mode held best stays so within `hysteresis`: a quarter as many switches (each costs the draft a
     # catch-up on every token since: 5-28 ms on one H200), 7-28 % of the time on (seeds 0-4). Without the
     # margin every window that dips below the other mode's rate switched: 130-196 switches in 6400 steps,
     # 30-46 % of the time on with speculation 6 % slower (the power of the check; measured, seeds 0-4).
     for seed in range(5):
         share, switches = _near_tie_share_on(seed)
         assert share < 0.3 and switches < 60, (seed, share, switches)
-    monkeypatch.setattr(gate_module, "HYSTERESIS", 0.0)
-    flapping = [_near_tie_share_on(seed) for seed in range(5)]
+    no_margin = replace(BRANCH_GATE, hysteresis=0.0)
+    flapping = [_near_tie_share_on(seed, config=no_margin) for seed in range(5)]
     assert all(share > 0.29 and switches > 100 for share, switches in flapping), flapping
 
 
 def test_speculation_must_win_by_its_handicap():
     # Speculation's costs outside its windows (catch-ups, requests put out of step) make a tie a loss:
     # one H200, B=64, windows tied at ~22 k tok/s and speculation held for 98 of 151 steps gave 0.90x
-    # plain. Handicapped by SPECULATION_HANDICAP (the speculation gate's, policy.py), a tie (223 tokens
+    # plain. Handicapped by SPECULATION_GATE's on_handicap, a tie (223 tokens
     # per 9.4 ms step = plain's rate) runs speculation 4-19 % of the time after the first eight windows,
     # seeds 0-4; without the handicap 42-76 % (the power of the check). A 15 % win keeps it on 87-97 %
     # of the time (98-99 % without), a 25 % one 98-99 %. Measured, seeds 0-4.
-    from target_service.gate import SPECULATION_HANDICAP
-
-    tie = [_near_tie_share_on(seed, 223, SPECULATION_HANDICAP)[0] for seed in range(5)]
+    tie = [_near_tie_share_on(seed, 223, SPECULATION_GATE)[0] for seed in range(5)]
     assert max(tie) < 0.25, tie
     unhandicapped = [_near_tie_share_on(seed, 223)[0] for seed in range(5)]
     assert min(unhandicapped) > 0.4, unhandicapped
-    wins = [_near_tie_share_on(seed, 256, SPECULATION_HANDICAP)[0] for seed in range(5)]
+    wins = [_near_tie_share_on(seed, 256, SPECULATION_GATE)[0] for seed in range(5)]
     assert min(wins) > 0.85, wins
-    assert SpeculationPolicy("adaptive", StepCosts(BUCKETS)).gate.on_handicap == SPECULATION_HANDICAP
+    assert SpeculationPolicy("adaptive", StepCosts(BUCKETS)).gate.config == SPECULATION_GATE
 
 
 def _drain_switches_on(report_batch) -> bool:
@@ -697,7 +712,7 @@ def _drain_switches_on(report_batch) -> bool:
     batch of 64 drains to 33 (one request fewer every 4 steps) with plain decoding the better mode
     (speculative steps 0.81x its rate): both modes measured at B=64 first. `report_batch(b)` is the batch
     size the gate is told."""
-    gate = ModeGate(StepCosts(BUCKETS), on_handicap=0.0)
+    gate = ModeGate(StepCosts(BUCKETS))
     for _ in range(16 * 12):  # both modes measured at B=64: off wins
         on = gate.want(64)
         gate.observe(64, 180 if on else 64, 9.4e-3 if on else 2.7e-3)
@@ -718,20 +733,17 @@ def test_a_draining_batch_keeps_its_buckets_mode():
     assert _drain_switches_on(lambda b: 64)  # told the bucket's size: unscaled (the power of the check)
 
 
-def test_a_stalled_step_does_not_switch_the_mode(monkeypatch):
+def test_a_stalled_step_does_not_switch_the_mode():
     # One step in 100 stalls 7 ms (one H200, B=64: single 8.9-9.7 ms steps among ~2.6 ms ones switched
-    # speculation on for 32 steps); speculation runs at 0.94x plain. Counted at most STALL_CAP times the
+    # speculation on for 32 steps); speculation runs at 0.94x plain. Counted at most stall_cap times the
     # mode's mean step, speculation ran 3-7 % of the time with 14-34 switches (seeds 0-4, handicapped as
     # the speculation gate is); uncapped 6-19 %, 28-72 switches (the power of the check). Measured.
-    from target_service.gate import SPECULATION_HANDICAP
+    def runs(config: GateConfig):
+        return [_near_tie_share_on(seed, 210, config, stall_every=100) for seed in range(5)]
 
-    def runs():
-        return [_near_tie_share_on(seed, 210, SPECULATION_HANDICAP, stall_every=100) for seed in range(5)]
-
-    capped = runs()
+    capped = runs(SPECULATION_GATE)
     assert max(s for s, _ in capped) < 0.1 and sum(n for _, n in capped) / 5 < 30, capped
-    monkeypatch.setattr(gate_module, "STALL_CAP", float("inf"))
-    uncapped = runs()
+    uncapped = runs(replace(SPECULATION_GATE, stall_cap=float("inf")))
     assert sum(s for s, _ in uncapped) / 5 > 0.1 and sum(n for _, n in uncapped) / 5 > 45, uncapped
 
 

@@ -1,8 +1,8 @@
 """The adaptive policy inside the real serving loop (Scheduler, DraftSession, streamer, event loop), with
 the GPU step and the draft round trip simulated by sleeps (bench/host_path.py's SimulatedRunner and
 SimulatedDraft): it must stop speculating where speculation loses and keep speculating where it wins.
-The simulated costs are the ones measured on the H200 pair (docs/benchmarks.md, TP=2 mode 1: a 2.63 ms
-plain step, +0.1 ms per verify position, a 3.1 ms draft round trip)."""
+The simulated costs are ones measured on two GPUs with both services at TP=2: a 2.63 ms plain step,
++0.1 ms per verify position, a 3.1 ms draft round trip."""
 
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def test_branch_gate_counts_only_steady_speculative_steps():
     from common.metrics import ServiceMetrics
     from target_service.config import TargetConfig
     from target_service.runner import StepResult
-    from target_service.scheduler import BRANCH_SETTLE, Scheduler
+    from target_service.scheduler import Scheduler
+    from target_service.step_accounting import BRANCH_SETTLE, StepReport
 
     metrics = ServiceMetrics("target", "gate", registry=CollectorRegistry())
     config = TargetConfig(model="none", max_batch_size=1, speculation_policy="adaptive")
@@ -121,9 +122,12 @@ def test_branch_gate_counts_only_steady_speculative_steps():
     marks = (0.0, 0.0, 0.0, 0.0, 1e-3)
 
     def counted(width: int, started: bool = False) -> int:
-        before = sched.branch_gate.state[1].steps if 1 in sched.branch_gate.state else 0
-        sched._account([object()], width, StepResult([[1]], [0], 0.0), started, *marks)
-        return sched.branch_gate.state[1].steps - before if 1 in sched.branch_gate.state else 0
+        gate = sched.accounting.branch_gate
+        before = gate.state[1].steps if 1 in gate.state else 0
+        sched.accounting.observe(
+            StepReport([object()], width, StepResult([[1]], [0], 0.0), started, marks=marks)
+        )
+        return gate.state[1].steps - before if 1 in gate.state else 0
 
     assert [counted(1) for _ in range(3)] == [0, 0, 0]  # plain
     assert [counted(5) for _ in range(BRANCH_SETTLE + 2)] == [0] * BRANCH_SETTLE + [1, 1]
@@ -149,9 +153,8 @@ def test_step_host_time_leaves_out_the_wait_for_a_busy_gpu():
 def test_a_failing_policy_or_gate_costs_speculation_not_requests(monkeypatch, caplog):
     """The policy, the gates and the step's accounting only choose k and learn costs: when they raise,
     the step goes on (k = 0 for that ask) and every request still gets all its tokens (`run` raises
-    when some never come). Before, a gate bug failed all running requests of the step, its verified
-    tokens lost. (The simulated runner accepts made-up drafts, so its text is no reference: the
-    services' lossless tests compare outputs.)"""
+    when some never come), its verified tokens not lost to a bug there. (The simulated runner accepts
+    made-up drafts, so its text is no reference: the services' lossless tests compare outputs.)"""
     from target_service.policy import SpeculationPolicy
 
     calls = {"choose": 0, "observe": 0}
@@ -193,12 +196,13 @@ def test_one_gate_explores_at_a_time():
     from target_service.gate import _Window
     from target_service.request import Request
     from target_service.runner import StepResult
-    from target_service.scheduler import BRANCH_SETTLE, Scheduler
+    from target_service.scheduler import Scheduler
+    from target_service.step_accounting import BRANCH_SETTLE, StepReport
 
     metrics = ServiceMetrics("target", "gates", registry=CollectorRegistry())
     config = TargetConfig(model="none", max_batch_size=1, speculation_policy="adaptive")
     sched = Scheduler(SimulatedRunner(), config, metrics, SimulatedDraft(), frozenset())
-    spec, branches = sched.policy.gate, sched.branch_gate
+    spec, branches = sched.policy.gate, sched.accounting.branch_gate
     marks = (0.0, 0.0, 0.0, 0.0, 1e-3)
 
     def set_gate(gate, on: float, off: float, window_on: bool, trying: bool) -> None:
@@ -210,8 +214,8 @@ def test_one_gate_explores_at_a_time():
         """Steps each gate counted for one step of `width`."""
         before = spec.state[1].steps, branches.state[1].steps
         sched.policy.gated = True  # the step is one of the speculation gate's (choose sets it)
-        sched.spec_run = BRANCH_SETTLE + 1  # a steady speculative step, as the branch gate counts them
-        sched._account([object()], width, StepResult([[1]], [0], 0.0), False, *marks)
+        sched.accounting.spec_run = BRANCH_SETTLE + 1  # a steady speculative step, as the branch gate counts
+        sched.accounting.observe(StepReport([object()], width, StepResult([[1]], [0], 0.0), marks=marks))
         return spec.state[1].steps - before[0], branches.state[1].steps - before[1]
 
     # Speculation on (its best); the branch gate tries off, its worse mode.
@@ -238,20 +242,21 @@ def test_one_gate_explores_at_a_time():
 def test_steps_that_start_or_finish_requests_are_no_gates_rate_nor_step_cost():
     """A step that starts or finishes requests, and the BURST_SETTLE steps after a burst of them (a quarter
     of the batch or more), count in neither gate's window nor in the policy's step costs: the host work of
-    first and last messages is every mode's and every k's, and on one H200 at B=64 such plain windows read
-    13.5-16 k tok/s against 23-24 k and switched speculation on (and a run's tail rated its k worst)."""
+    first and last messages is every mode's and every k's: at B=64 such plain windows read 13.5-16 k tok/s
+    against 23-24 k and switched speculation on (and a run's tail rated its k worst)."""
     from prometheus_client import CollectorRegistry
 
     from common.metrics import ServiceMetrics
     from target_service.config import TargetConfig
     from target_service.gate import _Window
     from target_service.runner import StepResult
-    from target_service.scheduler import BRANCH_SETTLE, BURST_SETTLE, Scheduler
+    from target_service.scheduler import Scheduler
+    from target_service.step_accounting import BRANCH_SETTLE, BURST_SETTLE, StepReport
 
     metrics = ServiceMetrics("target", "churn", registry=CollectorRegistry())
     config = TargetConfig(model="none", max_batch_size=8, speculation_policy="adaptive")
     sched = Scheduler(SimulatedRunner(), config, metrics, SimulatedDraft(), frozenset())
-    spec, branches = sched.policy.gate, sched.branch_gate
+    spec, branches = sched.policy.gate, sched.accounting.branch_gate
     bucket = sched.costs.bucket(8)
     for gate in (spec, branches):
         gate.rate[bucket, True], gate.rate[bucket, False] = 700.0, 500.0
@@ -262,10 +267,12 @@ def test_steps_that_start_or_finish_requests_are_no_gates_rate_nor_step_cost():
         """Whether the step counted in (the speculation gate, the branch gate, the k = 4 step costs)."""
         before = spec.state[bucket].steps, branches.state[bucket].steps, sched.costs.steps_at[bucket]
         sched.policy.gated = True
-        sched.spec_run = BRANCH_SETTLE + 1
-        sched.finished_in_step = finished
+        sched.accounting.spec_run = BRANCH_SETTLE + 1
         sched.session.last_wait_steady = True  # no draft prefill in its wait
-        sched._account([object()] * 8, 5, StepResult([[1]] * 8, [0] * 8, 0.0), started, 0.0, 0, 0, 0, 1e-3)
+        result = StepResult([[1]] * 8, [0] * 8, 0.0)
+        sched.accounting.observe(
+            StepReport([object()] * 8, 5, result, started, finished, marks=(0, 0, 0, 0, 1e-3))
+        )
         after = spec.state[bucket].steps, branches.state[bucket].steps, sched.costs.steps_at[bucket]
         return tuple(a - b for a, b in zip(after, before))
 
@@ -281,22 +288,27 @@ def test_steps_that_start_or_finish_requests_are_no_gates_rate_nor_step_cost():
 
 def test_verify_of_a_step_that_started_requests_is_no_verify_sample():
     """A step that started requests waited in its verify for their prefills: its verify time is not a
-    verify sample. Once it was (one H200, B=1, draft in the target), a run's first step timed width 5 at
-    107 ms, k = 4 was estimated at 55 ms from it and the start-up timing, and never chosen again."""
+    verify sample: a run's first step can time width 5 at 107 ms, and k = 4 estimated from it and the
+    start-up timing is never chosen again."""
     from prometheus_client import CollectorRegistry
 
     from common.metrics import ServiceMetrics
     from target_service.config import TargetConfig
     from target_service.runner import StepResult
     from target_service.scheduler import Scheduler
+    from target_service.step_accounting import StepReport
 
     metrics = ServiceMetrics("target", "prefill", registry=CollectorRegistry())
     config = TargetConfig(model="none", max_batch_size=1, speculation_policy="adaptive")
     sched = Scheduler(SimulatedRunner(), config, metrics, SimulatedDraft(), frozenset())
     bucket = sched.costs.bucket(1)
-    sched._account([object()], 5, StepResult([[1]], [0], 0.0), 1, 0.0, 0.0, 0.0, 0.107, 0.108)
+    sched.accounting.observe(
+        StepReport([object()], 5, StepResult([[1]], [0], 0.0), 1, marks=(0, 0, 0, 0.107, 0.108))
+    )
     assert (bucket, 5) not in sched.costs.verify
-    sched._account([object()], 5, StepResult([[1]], [0], 0.0), 0, 0.0, 0.0, 0.0, 2e-3, 3e-3)
+    sched.accounting.observe(
+        StepReport([object()], 5, StepResult([[1]], [0], 0.0), 0, marks=(0, 0, 0, 2e-3, 3e-3))
+    )
     assert sched.costs.verify[bucket, 5] == pytest.approx(2e-3)  # power: a steady step's verify counts
 
 
@@ -356,6 +368,7 @@ def test_the_gpu_gap_is_observed_only_for_steps_no_prefill_preceded():
     from target_service.config import TargetConfig
     from target_service.runner import StepResult
     from target_service.scheduler import Scheduler
+    from target_service.step_accounting import StepReport
 
     registry = CollectorRegistry()
     metrics = ServiceMetrics("target", "gap", registry=registry)
@@ -365,7 +378,7 @@ def test_the_gpu_gap_is_observed_only_for_steps_no_prefill_preceded():
 
     def account(started: int, gap: float) -> None:
         result = StepResult([[1]] * 8, [0] * 8, 2e-3, None, 2e-3, gap)
-        sched._account([object()] * 8, 5, result, started, 0.0, 0, 0, 0, 3e-3)
+        sched.accounting.observe(StepReport([object()] * 8, 5, result, started, marks=(0, 0, 0, 0, 3e-3)))
 
     account(0, 4e-4)
     account(3, 9e-3)  # a prefill before it: not observed

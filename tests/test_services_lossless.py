@@ -260,12 +260,17 @@ def test_sampled_first_token_follows_the_target_distribution(demo_models, tmp_pa
         reqs = [request(prompt, max_new_tokens=1, temperature=1.0, seed=s) for s in range(n)]
         results = generate_many(target.address, reqs, 16)
         assert sum(r.usage.drafted_tokens for r in results) > 0
-    counts = torch.bincount(torch.tensor([r.ids[0] for r in results]), minlength=p.numel()).double()
+    assert_first_tokens_follow([r.ids[0] for r in results], p)
+
+
+def assert_first_tokens_follow(tokens: list[int], p) -> None:
+    """The sampled tokens pass a chi-square test against p (bins with expected count >= 5 merged,
+    threshold df + 10 * sqrt(2 * df)), and the test has power: the same samples against p with 0.15 of
+    probability moved from the likeliest token to the third must fail it."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=p.numel()).double()
     chi2, df = chi_square(counts, p)
     assert df >= 5, "too few bins for a meaningful test"
     assert chi2 < df + 10 * math.sqrt(2 * df), (chi2, df)
-    # The test has power: the same samples against a target with 0.15 of probability moved from the
-    # most likely token to the third must fail.
     wrong = p.clone()
     top3 = torch.topk(p, 3).indices
     wrong[top3[0]] -= 0.15

@@ -14,7 +14,7 @@ from service_util import (
     wait_for,
 )
 
-from target_service.gate import WINDOW
+from target_service.gate import BRANCH_GATE
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,7 @@ def test_plain_steps_send_nothing_to_the_draft(stack):
     # warm-up half window and a measured window (8 + 16 steps, target_service/gate.py), then the other
     # mode. 24 tokens were not enough on a CI machine whose start-up timings chose plain first.
     wait_for(lambda: target.metric("specsplit_draft_connected") == 1, 30, "the draft link")
-    first_mode_steps = WINDOW // 2 + WINDOW
+    first_mode_steps = BRANCH_GATE.window // 2 + BRANCH_GATE.window
     generate_many(
         target.address, [request(prompts(1, seed=5)[0], k=2, max_new_tokens=first_mode_steps + 16)], 1
     )

@@ -16,7 +16,7 @@ from common.kernels import fused, skinny
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.generate import forward_rows
-from common.tiny import make_tiny_model
+from tests.tiny import make_tiny_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -12,9 +12,9 @@ import torch
 from common.distributed import init_tp
 from common.models.generate import greedy_generate
 from common.settings import parse_config
-from common.tiny import make_tiny_model
 from target_service.config import TargetConfig
 from target_service.runner import StepRow, TargetRunner
+from tests.tiny import make_tiny_model
 
 MAX_BATCH = 6  # buckets 1, 2, 4, 6
 NEW = 6

@@ -23,12 +23,12 @@ from safetensors import safe_open
 
 from common.distributed import Comm
 from common.loader import load_model, load_tokenizer
-from common.tiny import make_tiny_model
 from common.training import prompts as builtin_prompts
 from common.training.measure import acceptance, match_flags, replay_rounds, solve_alpha, target_texts
 from common.training.train_draft import eos_ids, prompt_ids
 from common.training.train_draft import main as train_draft_main
 from tests.service_util import running, speculative_equals_plain, start_draft, start_target
+from tests.tiny import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 100

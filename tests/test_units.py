@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import pytest
 
 from common.settings import ServiceConfig, flag, parse_config
-from common.tiny import make_tiny_model
 from common.tokenizer import load_tokenizer
 from draft_service.state import DraftRequest, DraftState, Proposal, common_prefix
 from target_service.detok import StreamDetokenizer
+from tests.tiny import make_tiny_model
 
 
 @pytest.fixture(scope="module")

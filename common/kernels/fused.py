@@ -430,8 +430,8 @@ def _attention_combine_kernel(
     # The splits are summed one by one in split order, not by a tree over a power-of-two block of them:
     # a tree's order depends on the block (4 splits at the 512-key bucket, 8 at 1024), a running sum's
     # does not, and the trailing empty splits of a longer bucket (weight 0, partial 0) add exact zeros.
-    # So a row's output is the same whichever context bucket computes it (on the H200 the tree's was
-    # not: tests/test_fused_kernels.py::test_attention_row_is_the_same_whatever_step_computes_it).
+    # So a row's output is the same whichever context bucket computes it (on the GPU a tree's is not:
+    # tests/test_fused_kernels.py::test_attention_row_is_the_same_whatever_step_computes_it).
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_valid = row < rows
     d = tl.arange(0, BLOCK_D)
@@ -452,8 +452,8 @@ def _attention_combine_kernel(
     tl.store(out_ptr + row[:, None] * HEAD_DIM + d[None, :], out, mask=mask)
 
 
-# Query rows per program of the split combine (nineteenth session, one H200: four rows per program with
-# the splits unrolled took the combine from 0.114 to 0.042 ms per step at B=16, 400 keys).
+# Query rows per program of the split combine (four rows with the splits unrolled: 0.114 -> 0.042 ms per
+# step at B=16, 400 keys).
 COMBINE_ROWS = 4
 # Keys per attention split: at least SPLIT_KEYS, and at most MAX_SPLITS splits over the whole cache (128
 # keys up to the services' default 4096-token context).
@@ -467,14 +467,10 @@ def split_chunk(max_len: int, block_n: int) -> int:
     the batch, the width or the context bucket of the step that computes it. A plain step (1 row, the
     bucket of p + 1) and the verify step (k + 1 rows, the bucket of p + k + 1) that reach position p must
     sum the same key ranges in the same order, or their bf16 hidden states, and the KV every later token
-    reads, differ in the last bits. Chosen per shape (two waves of programs, before the eighteenth
-    session), the split changed between buckets where that needed fewer than ctx / 128 splits: at B=64
-    128 keys at the 256-key bucket, 192 at the 512-key one. A trial rule that left the 256-key bucket
-    unsplit did so at every batch size, and bf16 speculative output then differed from plain in every
-    B=16 sequence, the probed first divergences at positions 251-294 (docs/benchmarks.md). Empty
-    trailing splits of a longer bucket add exact zeros in the combine. On caches of up to 8192 positions
-    the chunk is 128 keys, what the per-shape rule chose at B <= 16 up to 1024 keys: those steps are
-    unchanged."""
+    reads, differ in the last bits (a split chosen per shape, e.g. for two waves of programs, changes
+    between buckets, and bf16 speculative output then differs from plain). Empty trailing splits of a
+    longer bucket add exact zeros in the combine. On caches of up to 8192 positions the chunk is 128
+    keys."""
     return max(SPLIT_KEYS, triton.cdiv(triton.cdiv(max_len, MAX_SPLITS), block_n) * block_n)
 
 
@@ -536,8 +532,8 @@ def rotary_attention(
     (`RotaryEmbedding.table`); positions [B, L]; the rest as `attention`. Each program writes the keys
     and values of this step's tokens that it reads (programs reading the same ones write the same bits)
     and reads them back from the cache, in the same blocks as any other key: a query's sum does not
-    depend on whether its keys are this step's or older. The rotary and cache write took their own
-    kernel before, 2-3 us per layer at B = 1-16 on an H200, which the attention waited for.
+    depend on whether its keys are this step's or older. Fused, the attention does not wait for a
+    separate rotary and cache-write kernel (2-3 us per layer at B = 1-16).
     """
     seq, head_dim = q.shape[1], q.shape[3]
     for t in (q, k, v):
@@ -555,7 +551,7 @@ def _attention(q, rotary, k_cache, v_cache, slots, positions, ctx_len, scale, nu
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
     block_m = block_m or max(16, min(64, triton.next_power_of_2(group * seq)))
-    block_n = 64  # 128-key blocks: 0.02 ms slower per step at B = 1 and 16 (twenty-second session)
+    block_n = 64  # 128-key blocks: 0.02 ms slower per step at B = 1 and 16
     m_blocks = triton.cdiv(group * seq, block_m)
     forced = num_splits or _EAGER_SPLITS[0]
     if forced:  # a given count (tests, eager forwards): even chunks

@@ -126,7 +126,7 @@ def _split(vocab: int, programs_per_row: int, block: int, max_blocks: int) -> tu
 
 # Launch parameters (bench/bench_rejection.py --tune sweeps them on the GPU; docs/kernels.md).
 # The stats pass aims for ~STATS_PROGRAMS programs so that B = 1 still fills the GPU; each
-# program streams whole BLOCKs of 4 KiB (the H200 sweep in docs/kernels.md picked these).
+# program streams whole BLOCKs of 4 KiB (the GPU sweep in docs/kernels.md picked these).
 STATS_PROGRAMS = 4096
 STATS_BLOCK_BYTES = 4096
 STATS_MAX_BLOCKS = 32

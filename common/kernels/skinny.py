@@ -15,10 +15,8 @@ output does not depend on the batch it is in, for M up to MAX_ROWS (one row bloc
 
 Keep that one dot over K, accumulated in K order as cuBLAS does: a plain step at B <= 16 runs qkv and
 o_proj here while the verify of a speculative step at B >= 4 (20-80 rows) runs them in cuBLAS, and the two
-must round alike for bf16 speculative output to equal plain output. Splitting the dot into 8 K-slices on 8
-warps, summed after (seventeenth session, 28d95eb), saved 0.01-0.02 ms at B=1 but at B=16 left 0/16
-speculative sequences equal to plain against 14/16 (every divergence a tie of 0-2 bf16 steps: lossless,
-but eight times as many; docs/benchmarks.md).
+must round alike for bf16 speculative output to equal plain output. Splitting the dot into K-slices
+summed after saves 0.01-0.02 ms at B=1 but makes bf16 speculative output diverge from plain far more often.
 
 `stream_linear` is the other few-row GEMM: for a long K (the MLP's down projection, 1536 x 8960 in the
 1.5B), where one register tile per program cannot hold the weight and cuBLAS runs a split-K GEMM and a
@@ -41,51 +39,33 @@ from common.kernels import fused
 
 # SPECSPLIT_SKINNY_LINEAR=0 keeps cuBLAS for every GEMM (A/B comparisons).
 ENABLED = os.environ.get("SPECSPLIT_SKINNY_LINEAR", "1") != "0"
-# One H200, graphed 1.5B forward (docs/benchmarks.md, sixteenth session): with PDL, 1.586 -> 1.546 ms at
-# B=1 (5 rows); at B=4 (20 rows, two row blocks) 1.709 -> 1.758 ms, a loss; without PDL a loss at both.
+# One row block: the graphed 1.5B forward gains at B=1 (5 rows) with PDL, and loses at 20 rows or without PDL.
 MAX_ROWS = 16
-BLOCK_M = 16  # 32 needs 328 KB of shared memory for the dot's operands at K = 2048 (the H200 has 227)
+BLOCK_M = 16  # 32 needs 328 KB of shared memory for the dot's operands at K = 2048 (sm_90 has 227)
 # On a GPU only with PDL (without it cuBLAS is faster); under the CPU interpreter (tests) in stream order.
 REQUIRE_PDL = not fused.INTERPRETED
 MAX_K = 2048  # BLOCK_K = next power of 2 of K: the tile [BLOCK_N, BLOCK_K] bf16 stays in registers
-# One wave of programs (N / BLOCK_N <= 2 x 132 SMs): only the first wave reads its weight early. With
-# gate_up (17920 features) too, the B=1 forward took 2.27 ms against 1.55 (sixteenth session).
+# One wave of programs (N / BLOCK_N <= 2 x 132 SMs): only the first wave reads its weight early (gate_up's
+# 17920 features made the B=1 forward 2.27 ms against 1.55).
 MAX_N = 4096
 BLOCK_N = 16
 
-# stream_linear: one H200, 28 calls on 28 weight copies in a CUDA graph (bench/stream_sweep.py, twenty-first
-# session), the 1.5B's down projection at 1 / 5 / 16 rows: 9.1 / 9.5 / 9.5 us against cuBLAS's 11.8 / 11.7
-# / 12.0 (split K in 5, tiles 64 x 256, 4 stages; 4 or 7 splits, 3 or 5 stages, 32-wide or 128-deep tiles:
-# 9.5-12 us). At 80 rows it took 15.7 us against cuBLAS's 11.7 whatever the tiles. On the
-# qkv / o_proj shapes it was within 0.5 us of skinny_linear, on gate_up (K = 1536) 0.6 us slower than
-# cuBLAS: a long K only.
-# On the 7B's down projection (3584 x 18944, 136 MB) cuBLAS reads at 3.6 TB/s (37.5 us at 1 row) and this
-# kernel's tiles and splits at 3.1-3.4: weights up to 64 MB only.
+# stream_linear pays on a long K only: the 1.5B's down projection at 1-16 rows takes 9.1-9.5 us against
+# cuBLAS's 11.7-12.0 (K split in 5, tiles 64 x 256, 4 stages), 80 rows 15.7 against 11.7. On weights over
+# 64 MB (the 7B's down projection) cuBLAS streams faster (3.6 TB/s against 3.1-3.4).
 STREAM_ENABLED = os.environ.get("SPECSPLIT_STREAM_LINEAR", "1") != "0"
 STREAM_MIN_K = 4096
 STREAM_MAX_BYTES = 64 << 20
 STREAM_TILES = dict(block_n=64, block_k=256, stages=4)
 STREAM_TILES_PER_SPLIT = 7  # K = 8960: 35 tiles of 256 -> 5 splits of 7
-# Rows: a B=1 step, plain (1 row) or its width-5 verify (5 rows), both here, so they sum alike. Served up to
-# 16 rows, the serving bench's bf16 speculative output equalled plain in 0-1/16 sequences at B=16 and 0/4
-# at B=4 (14-16/16 and 0-4/4 before; every divergence a tie or near-tie): a plain step of 4-16 rows ran
-# here and its verify (20-80 rows) in cuBLAS, which sums K in another order (twenty-first session). The
-# limit fits k <= 4: a B=1 request with k = 5-8 verifies 6-9 rows in cuBLAS while its plain steps run here,
-# and plain steps of B = 2-5 run here while their verify runs in cuBLAS: plain and verify then sum the down
-# projection in different orders (B=4 in the serving bench: 0-1/4 bf16 sequences identical to plain, every
-# divergence a tie). A down GEMM that sums alike at 1-80 rows and is not slower at 80 (this one takes 15.7
-# us there) would remove the limit.
+# Rows: a B=1 step, plain (1 row) and its width-5 verify (5 rows), both here, so they sum alike. More rows
+# would run a plain step here and its verify (20-80 rows) in cuBLAS, which sums K in another order, and bf16
+# speculative output would then diverge from plain; k <= 4 fits.
 STREAM_MAX_ROWS = 5
 # The MLP's gate_up GEMM with SiLU-and-mul in its epilogue (`stream_linear(glu=True)`) up to this many
-# rows; 0: off (cuBLAS, then the silu_and_mul kernel). Measured on the 1.5B (one H200, graphed forward, 3
-# interleaved rounds, twenty-third session): B=1 width 5 (5 rows) 1.441 -> 1.356 ms, a plain B=16 step (16
-# rows) 1.597 -> 1.489; at 20 and 32 rows 1.561 -> 1.715 and 1.562 -> 1.740 (bench/glu_sweep.py: 33-78 us
-# for the GEMM at 80 rows where cuBLAS + silu_and_mul take 20.4), hence 16. Tiles made for 32-128-row
-# blocks (8 warps, 3 stages, 64-128-wide N: bench/glu_sweep.py --wide, twenty-fourth session) got 80 rows
-# to 25.9 us against 21.4 and lost in the forward (B=16 width 5 1.797 -> 1.924 ms). On that GEMM a row's
-# bits here at 1, 5, 16 or 80 rows equal that row of cuBLAS's 80-row GEMM (the GPU test
-# test_glu_path_sums_as_cublas_on_the_1_5b_gate_up), so a plain step here and B=16's verify in cuBLAS
-# still agree.
+# rows; 0: off (cuBLAS, then silu_and_mul). The 1.5B's graphed forward gains up to 16 rows (1.441 -> 1.356
+# ms at 5, 1.597 -> 1.489 at 16) and loses from 20; a row's bits equal cuBLAS's (the GPU test
+# test_glu_path_sums_as_cublas_on_the_1_5b_gate_up), so a plain step here and a verify in cuBLAS agree.
 GLU_MAX_ROWS = int(os.environ.get("SPECSPLIT_GLU_MAX_ROWS", "16"))
 GLU_TILES = dict(block_n=32, block_k=128, stages=4)
 # A 128-row block (over 64 rows: a raised SPECSPLIT_GLU_MAX_ROWS) with 128-wide K tiles needs 240 KB of
@@ -218,7 +198,7 @@ def _stream_linear_kernel(
 ):
     # grid (N blocks, splits, row blocks). A row's sum: its split's K tiles in order, then the splits in
     # order (_split_sum_kernel): the same whatever the row count or BLOCK_M (16-128 rows a block gave the
-    # same bits on the H200, bench/stream_sweep.py).
+    # same bits on the GPU).
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -300,7 +280,7 @@ def glu_streams(rows: int, weight: Tensor) -> bool:
 
 
 def _row_block(rows: int) -> int:
-    # One row block up to 128 rows (16-128-row blocks gave a row the same bits on the H200: stream_sweep).
+    # One row block up to 128 rows (16-128-row blocks give a row the same bits on the GPU).
     return min(128, max(16, triton.next_power_of_2(rows)))
 
 

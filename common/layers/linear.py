@@ -110,3 +110,24 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     ):
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden, sizes, ["q_proj", "k_proj", "v_proj"], comm, bias, **kw)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x @ W.T with the whole W on every rank: for small matrices whose input every rank already
+    holds in full (a feature draft's fc), where a sharded one would cost a gather per call."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype=None, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device), requires_grad=False
+        )
+        set_shard(self.weight, (out_features, in_features))
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=dtype, device=device), requires_grad=False
+            )
+            set_shard(self.bias, (out_features,))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from common.config import ModelConfig
 from common.distributed import Comm
+from common.features import FeatureStore
 from common.kernels import fused
 from common.kv_cache import KVCache
 from common.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -172,6 +173,8 @@ class Transformer(nn.Module):
             )
             set_shard(self.d2t, (config.draft_vocab_size,))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device)
+        # Set on a target that serves a feature draft: every forward writes its features there.
+        self.feature_store: FeatureStore | None = None
 
     def forward(
         self,
@@ -193,11 +196,34 @@ class Transformer(nn.Module):
         shares that prefix, not copied) and those from prefix_len[b] on in slots[b]. Its new tokens are
         still written to slots[b]; prefix_len[b] = 0 makes row b a plain row. No host syncs either way.
         """
+        store = self.feature_store
+        hidden, streams = self.forward_streams(
+            input_ids, positions, slots, cache, ctx_len, store.layers if store is not None else (), prefix
+        )
+        if streams:
+            store.write(slots, positions, streams)
+        return hidden
+
+    def forward_streams(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        cache: KVCache,
+        ctx_len: int,
+        layers: tuple[int, ...] = (),
+        prefix: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, list[Tensor]]:
+        """`forward`, and the residual streams entering each of `layers` ([B, L, hidden] each): the
+        features a feature draft reads (common/features.py)."""
         rope = self.rotary.table(cache.max_len)  # every position the cache holds
         x, residual = self.model.embed_tokens(input_ids), None
+        streams = []
         for i, layer in enumerate(self.model.layers):
+            if i in layers:
+                streams.append(x if residual is None else x + residual)
             x, residual = layer(x, residual, rope, slots, positions, cache.k[i], cache.v[i], ctx_len, prefix)
-        return self.model.norm(x, residual)[0]
+        return self.model.norm(x, residual)[0], streams
 
     def compute_logits(
         self, hidden: Tensor, prev_token_ids: Tensor | None = None, upcast: bool = True

@@ -3,12 +3,11 @@
 Why: the SmolLM2 draft trained on the built-in prompts alone agreed with its target far more on text like
 its training data than on new chat. On CPU (fp32, 24 prompts each, 128 new tokens, α at k = 4): 0.742 on
 training prompts, 0.614 on the training templates with topics no prompt names, 0.488 on the held-out
-chat prompts; the draft retrained with 4853 self-instructed prompts 0.730 / 0.638 / 0.550
-(docs/benchmarks.md, eighth and ninth sessions; held-out α 0.573 on the GPU, then 0.597 with 9414 such
-prompts, the tenth session's shipped draft). Part of the
-gap is memorised answers, part is form: 97 % of the built-in prompts are one of 36 templates on one of
-173 topics. The target's own questions ("How are volcanoes formed?") are free chat in the target's
-own distribution, as many as the device budget allows.
+chat prompts; the draft retrained with 4853 self-instructed prompts 0.730 / 0.638 / 0.550 (the shipped
+draft, with 9414 such prompts, reaches held-out α 0.597 on the GPU). Part of the gap is memorised
+answers, part is form: 97 % of the built-in prompts are one of 36 templates on one of 173 topics.
+The target's own questions ("How are volcanoes formed?") are free chat in the target's own distribution,
+as many as the device budget allows.
 
 The target answers SELF_INSTRUCT_FORMS (numbered lists of five questions or requests, most on a
 training topic) sampled at T = 0.7; every list item that reads as one prompt is kept, once, unless it

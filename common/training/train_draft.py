@@ -32,10 +32,12 @@ from common.distributed import Comm
 from common.kernels import fused
 from common.kv_cache import KVCache
 from common.loader import load_model, load_tokenizer
+from common.models.feature_draft import default_feature_layers
 from common.models.transformer import Transformer
 from common.training import prompts as builtin_prompts
 from common.training.data import Sequences, generate_batch
 from common.training.draft import build_draft, save_draft, target_reference
+from common.training.feature_train import build_feature_draft, feature_acceptance, target_features, ttt_loss
 from common.training.measure import acceptance, match_flags, target_texts
 from common.training.self_instruct import self_instruct_prompts
 
@@ -207,7 +209,7 @@ def make_optimizer(draft: Transformer, args) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, weight_decay=args.weight_decay, betas=(0.9, 0.98))
 
 
-def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline, probe=None) -> int:
+def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline, probe=None, loss_fn=None) -> int:
     """Trains up to args.steps, saving state every --save-every steps; returns the step reached (less than
     args.steps when the deadline or --chunk-steps stopped it). `probe(draft)` -> dict, when given, is
     logged every --eval-every steps (held-out acceptance: is more training still helping?)."""
@@ -244,7 +246,7 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline, prob
         scale = lr_at(step, args)
         for g, lr in zip(opt.param_groups, peak):
             g["lr"] = lr * scale
-        ce, kl = distill_loss(draft, *batch, use_markov=True)
+        ce, kl = (loss_fn or distill_loss)(draft, *batch)
         opt.zero_grad(set_to_none=True)
         ce.backward()
         torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], 1.0)
@@ -312,6 +314,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specsplit train-draft", description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, required=True, help="target checkpoint dir or .gguf file")
     ap.add_argument("--out", type=Path, required=True, help="run directory (data, state, log, draft/)")
+    ap.add_argument(
+        "--kind",
+        choices=("layers", "feature"),
+        default="layers",
+        help="layers: a short stack of the target's layers reading tokens only; feature: one layer "
+        "reading the target's own features (EAGLE-3 style, common/models/feature_draft.py)",
+    )
+    ap.add_argument(
+        "--feature-layers",
+        type=parse_ints,
+        default=None,
+        help="--kind feature: target layers whose input streams the draft reads (default: 2, L/2, L-3)",
+    )
+    ap.add_argument(
+        "--ttt-depth", type=int, default=4, help="--kind feature: drafted positions unrolled in training"
+    )
     ap.add_argument("--layers", type=int, default=2, help="draft transformer layers")
     ap.add_argument(
         "--init-layers",
@@ -349,7 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-size", type=int, default=48, help="sequences per step")
     ap.add_argument("--max-len", type=int, default=384, help="tokens per sequence in training (cut)")
     # The training defaults are the shipped SmolLM2 draft's (drafts/smollm2-135m-instruct/train.sh); lr
-    # 4e-3 was the best of 5e-4 to 4e-3 there (docs/benchmarks.md, sixth, seventh and ninth sessions).
+    # 4e-3 was the best of 5e-4 to 4e-3 there.
     ap.add_argument("--lr", type=float, default=4e-3, help="peak learning rate of the draft's layers")
     ap.add_argument("--markov-lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.0)
@@ -417,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     data = make_data(args, target, prompt_ids(tokenizer, texts, chat), eos, log, deadline)
     if data is None or args.data_only:
         return 0
+    if args.kind == "feature":
+        return train_feature_draft(args, target, tokenizer, chat, eos, data, log, deadline, argv)
     layer_map = args.init_layers or list(range(args.layers))
     if len(layer_map) != args.layers:
         raise SystemExit(f"--init-layers: {len(layer_map)} layers given, --layers is {args.layers}")
@@ -445,6 +465,40 @@ def main(argv: list[str] | None = None) -> int:
         drafts["trained_markov"] = (draft, True)
     result = evaluate(args, heldout, drafts)
     result["draft_bytes"] = size
+    (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    log("done", draft=str(args.out / "draft"), draft_bytes=size, eval=result["drafts"])
+    return 0
+
+
+def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, deadline, argv) -> int:
+    """`--kind feature`: train with training-time test, export, and measure held-out acceptance as served
+    (feature_acceptance: real draft chains, not per-position agreement)."""
+    layers = tuple(args.feature_layers or default_feature_layers(target.config.num_hidden_layers))
+    draft = build_feature_draft(target, layers, args.markov_rank, args.seed, args.device)
+    heldout = held_out(args, target, tokenizer, chat, eos)
+
+    def loss_fn(model, ids, tk_ids, tk_probs, mask):
+        feats = target_features(target, ids, layers)
+        return ttt_loss(model, feats, ids, tk_ids, tk_probs, mask, args.ttt_depth, args.markov_rank > 0)
+
+    def probe(model) -> dict:
+        return {f"k{k}": feature_acceptance(model, target, *heldout, k).alpha for k in args.eval_k}
+
+    steps_done = train(args, draft, data, log, deadline, probe, loss_fn)
+    if steps_done < args.steps and not (args.export_partial and steps_done > 0):
+        return 0
+    draft.eval()
+    extra = {
+        "seed": args.seed,
+        "steps": steps_done,
+        "ttt_depth": args.ttt_depth,
+        "command": "specsplit train-draft " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    target_ref = target_reference(args.target, args.out / "draft", args.target_ref)
+    size = save_draft(draft, args.out / "draft", target_ref, args.save_dtype, args.include_shared, extra)
+    table = {f"k{k}": feature_acceptance(draft, target, *heldout, k).as_dict() for k in args.eval_k}
+    result = {"prompts": len(heldout[0]), "answer_tokens": sum(map(len, heldout[1])),
+              "drafts": {"feature": table}, "draft_bytes": size}  # fmt: skip
     (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     log("done", draft=str(args.out / "draft"), draft_bytes=size, eval=result["drafts"])
     return 0

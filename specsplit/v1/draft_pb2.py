@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import sampling_pb2 as specsplit_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x1bspecsplit/v1/sampling.proto\"\x8a\x01\n\x11\x44raftRequestStart\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\"Q\n\x07Verdict\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\"\xf7\x01\n\x10SpeculateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12/\n\x06starts\x18\x02 \x03(\x0b\x32\x1f.specsplit.v1.DraftRequestStart\x12\'\n\x08verdicts\x18\x03 \x03(\x0b\x32\x15.specsplit.v1.Verdict\x12\x10\n\x08releases\x18\x04 \x03(\x04\x12\x0f\n\x07propose\x18\x05 \x03(\x04\x12\x19\n\x11target_vocab_size\x18\x06 \x01(\r\x12\x11\n\tpropose_k\x18\x07 \x03(\r\x12\x15\n\rwant_branches\x18\x08 \x01(\x08\x12\x13\n\x0btarget_gpus\x18\t \x03(\t\"0\n\tCandidate\x12\x10\n\x08\x61ppended\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\xc4\x01\n\x08Proposal\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x10\n\x08topk_ids\x18\x04 \x03(\r\x12\x12\n\ntopk_probs\x18\x05 \x03(\x02\x12\x17\n\x0f\x64raft_ahead_hit\x18\x06 \x01(\x08\x12+\n\ncandidates\x18\x07 \x03(\x0b\x32\x17.specsplit.v1.Candidate\x12\x16\n\x0e\x63ontext_length\x18\x08 \x01(\r\"\xba\x01\n\x11SpeculateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\tproposals\x18\x02 \x03(\x0b\x32\x16.specsplit.v1.Proposal\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13unknown_request_ids\x18\x04 \x03(\x04\x12\x17\n\nfree_slots\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08\x62ranches\x18\x06 \x01(\x08\x42\r\n\x0b_free_slots\"\x15\n\x13GetDraftInfoRequest\"\xca\x02\n\x14GetDraftInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0e\n\x06method\x18\x04 \x01(\t\x12\x1e\n\x16max_speculative_tokens\x18\x05 \x01(\r\x12\x15\n\rsampled_top_k\x18\x06 \x01(\r\x12\x13\n\x0bmarkov_head\x18\x07 \x01(\x08\x12\x18\n\x10markov_head_mode\x18\x08 \x01(\t\x12\x10\n\x08tp_bytes\x18\t \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\x04\x12\x18\n\x10\x64raft_ahead_hits\x18\x0b \x01(\x04\x12\x1a\n\x12\x64raft_ahead_misses\x18\x0c \x01(\x04\x12\x16\n\x0emax_batch_size\x18\r \x01(\r\x12\x12\n\nfree_slots\x18\x0e \x01(\r2\xb7\x01\n\x0c\x44raftService\x12P\n\tSpeculate\x12\x1e.specsplit.v1.SpeculateRequest\x1a\x1f.specsplit.v1.SpeculateResponse(\x01\x30\x01\x12U\n\x0cGetDraftInfo\x12!.specsplit.v1.GetDraftInfoRequest\x1a\".specsplit.v1.GetDraftInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specsplit/v1/draft.proto\x12\x0cspecsplit.v1\x1a\x1bspecsplit/v1/sampling.proto\"\xc6\x01\n\x11\x44raftRequestStart\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x1e\n\x16num_speculative_tokens\x18\x04 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0c\x12\x18\n\x0btarget_slot\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x0e\n\x0c_target_slot\"c\n\x07Verdict\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0c\"\x91\x02\n\x10SpeculateRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12/\n\x06starts\x18\x02 \x03(\x0b\x32\x1f.specsplit.v1.DraftRequestStart\x12\'\n\x08verdicts\x18\x03 \x03(\x0b\x32\x15.specsplit.v1.Verdict\x12\x10\n\x08releases\x18\x04 \x03(\x04\x12\x0f\n\x07propose\x18\x05 \x03(\x04\x12\x19\n\x11target_vocab_size\x18\x06 \x01(\r\x12\x11\n\tpropose_k\x18\x07 \x03(\r\x12\x15\n\rwant_branches\x18\x08 \x01(\x08\x12\x13\n\x0btarget_gpus\x18\t \x03(\t\x12\x18\n\x10protocol_version\x18\n \x01(\r\"0\n\tCandidate\x12\x10\n\x08\x61ppended\x18\x01 \x03(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"\xc4\x01\n\x08Proposal\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x10\n\x08topk_ids\x18\x04 \x03(\r\x12\x12\n\ntopk_probs\x18\x05 \x03(\x02\x12\x17\n\x0f\x64raft_ahead_hit\x18\x06 \x01(\x08\x12+\n\ncandidates\x18\x07 \x03(\x0b\x32\x17.specsplit.v1.Candidate\x12\x16\n\x0e\x63ontext_length\x18\x08 \x01(\r\"\xba\x01\n\x11SpeculateResponse\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\tproposals\x18\x02 \x03(\x0b\x32\x16.specsplit.v1.Proposal\x12\x15\n\rdraft_seconds\x18\x03 \x01(\x01\x12\x1b\n\x13unknown_request_ids\x18\x04 \x03(\x04\x12\x17\n\nfree_slots\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x10\n\x08\x62ranches\x18\x06 \x01(\x08\x42\r\n\x0b_free_slots\"\x15\n\x13GetDraftInfoRequest\"\xf8\x02\n\x14GetDraftInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0f\n\x07tp_size\x18\x03 \x01(\r\x12\x0e\n\x06method\x18\x04 \x01(\t\x12\x1e\n\x16max_speculative_tokens\x18\x05 \x01(\r\x12\x15\n\rsampled_top_k\x18\x06 \x01(\r\x12\x13\n\x0bmarkov_head\x18\x07 \x01(\x08\x12\x18\n\x10markov_head_mode\x18\x08 \x01(\t\x12\x10\n\x08tp_bytes\x18\t \x01(\x04\x12\x14\n\x0c\x64raft_tokens\x18\n \x01(\x04\x12\x18\n\x10\x64raft_ahead_hits\x18\x0b \x01(\x04\x12\x1a\n\x12\x64raft_ahead_misses\x18\x0c \x01(\x04\x12\x16\n\x0emax_batch_size\x18\r \x01(\r\x12\x12\n\nfree_slots\x18\x0e \x01(\r\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x0f \x03(\r\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x10 \x01(\r2\xb7\x01\n\x0c\x44raftService\x12P\n\tSpeculate\x12\x1e.specsplit.v1.SpeculateRequest\x1a\x1f.specsplit.v1.SpeculateResponse(\x01\x30\x01\x12U\n\x0cGetDraftInfo\x12!.specsplit.v1.GetDraftInfoRequest\x1a\".specsplit.v1.GetDraftInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,21 +33,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.draft_pb2', _g
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTREQUESTSTART']._serialized_start=72
-  _globals['_DRAFTREQUESTSTART']._serialized_end=210
-  _globals['_VERDICT']._serialized_start=212
-  _globals['_VERDICT']._serialized_end=293
-  _globals['_SPECULATEREQUEST']._serialized_start=296
-  _globals['_SPECULATEREQUEST']._serialized_end=543
-  _globals['_CANDIDATE']._serialized_start=545
-  _globals['_CANDIDATE']._serialized_end=593
-  _globals['_PROPOSAL']._serialized_start=596
-  _globals['_PROPOSAL']._serialized_end=792
-  _globals['_SPECULATERESPONSE']._serialized_start=795
-  _globals['_SPECULATERESPONSE']._serialized_end=981
-  _globals['_GETDRAFTINFOREQUEST']._serialized_start=983
-  _globals['_GETDRAFTINFOREQUEST']._serialized_end=1004
-  _globals['_GETDRAFTINFORESPONSE']._serialized_start=1007
-  _globals['_GETDRAFTINFORESPONSE']._serialized_end=1337
-  _globals['_DRAFTSERVICE']._serialized_start=1340
-  _globals['_DRAFTSERVICE']._serialized_end=1523
+  _globals['_DRAFTREQUESTSTART']._serialized_end=270
+  _globals['_VERDICT']._serialized_start=272
+  _globals['_VERDICT']._serialized_end=371
+  _globals['_SPECULATEREQUEST']._serialized_start=374
+  _globals['_SPECULATEREQUEST']._serialized_end=647
+  _globals['_CANDIDATE']._serialized_start=649
+  _globals['_CANDIDATE']._serialized_end=697
+  _globals['_PROPOSAL']._serialized_start=700
+  _globals['_PROPOSAL']._serialized_end=896
+  _globals['_SPECULATERESPONSE']._serialized_start=899
+  _globals['_SPECULATERESPONSE']._serialized_end=1085
+  _globals['_GETDRAFTINFOREQUEST']._serialized_start=1087
+  _globals['_GETDRAFTINFOREQUEST']._serialized_end=1108
+  _globals['_GETDRAFTINFORESPONSE']._serialized_start=1111
+  _globals['_GETDRAFTINFORESPONSE']._serialized_end=1487
+  _globals['_DRAFTSERVICE']._serialized_start=1490
+  _globals['_DRAFTSERVICE']._serialized_end=1673
 # @@protoc_insertion_point(module_scope)

@@ -31,8 +31,18 @@ class DraftRequestStart(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
+    TARGET_SLOT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     num_speculative_tokens: _builtins.int
+    features: _builtins.bytes
+    """For a feature draft (GetDraftInfoResponse.feature_layers set): the target's features at positions
+    0 .. len(token_ids) - 2, bf16, row-major [len(token_ids) - 1, feature_size] (protocol_version 2).
+    """
+    target_slot: _builtins.int
+    """In the target's own process only: the target's KV slot of the request, whose features the draft
+    copies on the device instead of reading `features`.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -44,12 +54,16 @@ class DraftRequestStart(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _sampling_pb2.SamplingParams | None = ...,
         num_speculative_tokens: _builtins.int = ...,
+        features: _builtins.bytes = ...,
+        target_slot: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_target_slot", b"_target_slot", "sampling", b"sampling", "target_slot", b"target_slot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_speculative_tokens", b"num_speculative_tokens", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_target_slot", b"_target_slot", "features", b"features", "num_speculative_tokens", b"num_speculative_tokens", "request_id", b"request_id", "sampling", b"sampling", "target_slot", b"target_slot", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__target_slot: _TypeAlias = _typing.Literal["target_slot"]  # noqa: Y015
+    _WhichOneofArgType__target_slot: _TypeAlias = _typing.Literal["_target_slot", b"_target_slot"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__target_slot) -> _WhichOneofReturnType__target_slot | None: ...
 
 Global___DraftRequestStart: _TypeAlias = DraftRequestStart  # noqa: Y015
 
@@ -66,9 +80,14 @@ class Verdict(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     ACCEPTED_FIELD_NUMBER: _builtins.int
+    FEATURES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.int
     start: _builtins.int
     accepted: _builtins.int
+    features: _builtins.bytes
+    """For a feature draft: the target's features at positions start - 1 .. start + len(token_ids) - 2
+    (one row per appended token; the first is omitted when start is 0), bf16, as in DraftRequestStart.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -78,10 +97,11 @@ class Verdict(_message.Message):
         start: _builtins.int = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         accepted: _builtins.int = ...,
+        features: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "request_id", b"request_id", "start", b"start", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "features", b"features", "request_id", b"request_id", "start", b"start", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -100,6 +120,7 @@ class SpeculateRequest(_message.Message):
     PROPOSE_K_FIELD_NUMBER: _builtins.int
     WANT_BRANCHES_FIELD_NUMBER: _builtins.int
     TARGET_GPUS_FIELD_NUMBER: _builtins.int
+    PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     step: _builtins.int
     """Strictly increasing per stream; the answer carries the same number."""
     target_vocab_size: _builtins.int
@@ -109,6 +130,10 @@ class SpeculateRequest(_message.Message):
     want_branches: _builtins.bool
     """Draft the branches of this step's proposals (greedy drafting): the target will use them. Unset:
     the draft keeps to one all-accepted guess of its own (draft-ahead).
+    """
+    protocol_version: _builtins.int
+    """2: starts and verdicts carry target features when the draft reads them (feature drafts). A feature
+    draft refuses a stream whose first message has a lower version (FAILED_PRECONDITION).
     """
     @_builtins.property
     def starts(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftRequestStart]: ...
@@ -145,10 +170,11 @@ class SpeculateRequest(_message.Message):
         propose_k: _abc.Iterable[_builtins.int] | None = ...,
         want_branches: _builtins.bool = ...,
         target_gpus: _abc.Iterable[_builtins.str] | None = ...,
+        protocol_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["propose", b"propose", "propose_k", b"propose_k", "releases", b"releases", "starts", b"starts", "step", b"step", "target_gpus", b"target_gpus", "target_vocab_size", b"target_vocab_size", "verdicts", b"verdicts", "want_branches", b"want_branches"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["propose", b"propose", "propose_k", b"propose_k", "protocol_version", b"protocol_version", "releases", b"releases", "starts", b"starts", "step", b"step", "target_gpus", b"target_gpus", "target_vocab_size", b"target_vocab_size", "verdicts", b"verdicts", "want_branches", b"want_branches"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -322,6 +348,8 @@ class GetDraftInfoResponse(_message.Message):
     DRAFT_AHEAD_MISSES_FIELD_NUMBER: _builtins.int
     MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     FREE_SLOTS_FIELD_NUMBER: _builtins.int
+    FEATURE_LAYERS_FIELD_NUMBER: _builtins.int
+    FEATURE_SIZE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     vocab_size: _builtins.int
     tp_size: _builtins.int
@@ -341,6 +369,13 @@ class GetDraftInfoResponse(_message.Message):
     max_batch_size: _builtins.int
     """KV slots in all (--max-batch-size) and free now, over all streams."""
     free_slots: _builtins.int
+    feature_size: _builtins.int
+    @_builtins.property
+    def feature_layers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """A feature draft: the target layers whose input streams it reads (the target must capture exactly
+        these: --draft-feature-layers) and the width of one position's features. Empty for a layer draft.
+        """
+
     def __init__(
         self,
         *,
@@ -358,10 +393,12 @@ class GetDraftInfoResponse(_message.Message):
         draft_ahead_misses: _builtins.int = ...,
         max_batch_size: _builtins.int = ...,
         free_slots: _builtins.int = ...,
+        feature_layers: _abc.Iterable[_builtins.int] | None = ...,
+        feature_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ahead_hits", b"draft_ahead_hits", "draft_ahead_misses", b"draft_ahead_misses", "draft_tokens", b"draft_tokens", "free_slots", b"free_slots", "markov_head", b"markov_head", "markov_head_mode", b"markov_head_mode", "max_batch_size", b"max_batch_size", "max_speculative_tokens", b"max_speculative_tokens", "method", b"method", "model", b"model", "sampled_top_k", b"sampled_top_k", "tp_bytes", b"tp_bytes", "tp_size", b"tp_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_ahead_hits", b"draft_ahead_hits", "draft_ahead_misses", b"draft_ahead_misses", "draft_tokens", b"draft_tokens", "feature_layers", b"feature_layers", "feature_size", b"feature_size", "free_slots", b"free_slots", "markov_head", b"markov_head", "markov_head_mode", b"markov_head_mode", "max_batch_size", b"max_batch_size", "max_speculative_tokens", b"max_speculative_tokens", "method", b"method", "model", b"model", "sampled_top_k", b"sampled_top_k", "tp_bytes", b"tp_bytes", "tp_size", b"tp_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,69 @@
+"""Target features for feature drafts: what the target hands its draft for every token it computes.
+
+A feature draft (common/models/feature_draft.py) reads, for position p, the target's residual streams
+entering a few of its layers at position p - 1, side by side: F = len(layers) * hidden values. The target
+writes them in every forward (prefill, plain step, verify) into a `FeatureStore` indexed like its KV
+cache, [slot, position]; positions of rejected drafts are overwritten by later forwards as their KV is.
+The draft keeps a store of its own, filled from the target's: over the Speculate stream as bf16 bytes
+(`to_wire` / `from_wire`, one row per committed token) or, in the target's process, by a device copy.
+Nothing is sent for plain steps: the next ask carries every row the draft lacks (lazy catch-up).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# The Speculate protocol version whose starts and verdicts carry features (protos/specsplit/v1/draft.proto).
+FEATURE_PROTOCOL = 2
+WIRE_DTYPE = torch.bfloat16  # features cross the wire in bf16 whatever the models' dtype
+
+
+class FeatureStore:
+    """[num_slots, max_len, F] features of `layers` (the target's layer indices whose input stream they
+    are), in `dtype` on `device`."""
+
+    def __init__(self, layers, hidden_size: int, num_slots: int, max_len: int, dtype, device):
+        self.layers = tuple(layers)
+        self.size = len(self.layers) * hidden_size
+        self.data = torch.zeros(num_slots, max_len, self.size, dtype=dtype, device=device)
+
+    def write(self, slots: Tensor, positions: Tensor, streams: list[Tensor]) -> None:
+        """slots [B], positions [B, L], streams: one [B, L, H] per layer -> rows (slot, position)."""
+        self.data[slots[:, None], positions] = torch.cat(streams, dim=-1).to(self.data.dtype)
+
+    def previous(self, slots: Tensor, positions: Tensor) -> Tensor:
+        """slots [B], positions [B, L] -> [B, L, F] the features at each position - 1 (zeros at 0): what a
+        feature draft reads beside the token at each position."""
+        prev = positions - 1
+        rows = self.data[slots[:, None], prev.clamp(min=0)]
+        return rows * (prev >= 0).unsqueeze(-1).to(rows.dtype)
+
+    def put(self, slot: int, start: int, rows: Tensor) -> None:
+        """rows [n, F] -> positions start..start + n - 1 of `slot`."""
+        self.data[slot, start : start + rows.shape[0]] = rows.to(self.data.device, self.data.dtype)
+
+
+def to_wire(rows: Tensor) -> bytes:
+    """[n, F] features -> little-endian bf16 bytes (numpy has no bf16: its bits travel as uint16)."""
+    return rows.to(WIRE_DTYPE).contiguous().view(torch.int16).cpu().numpy().tobytes()
+
+
+def from_wire(data: bytes, size: int, field: str) -> Tensor:
+    """bf16 bytes -> [n, size] on the CPU; a ValueError naming `field` when they are not whole rows."""
+    if len(data) % (2 * size):
+        raise ValueError(f"{field}: {len(data)} bytes is not a whole number of bf16 rows of {size} features")
+    flat = torch.from_numpy(np.frombuffer(data, dtype=np.int16).copy()).view(WIRE_DTYPE)
+    return flat.view(-1, size)
+
+
+def parse_ints(text: str, flag: str) -> tuple[int, ...]:
+    """ "2,15,27" -> (2, 15, 27); "" -> (); a ValueError naming `flag` otherwise."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: {text!r} is not a comma-separated list of layer indices") from None
+    if any(v < 0 for v in values):
+        raise ValueError(f"{flag}: {text!r}: layer indices are >= 0")
+    return values

@@ -1,0 +1,205 @@
+"""Training a feature draft (common/models/feature_draft.py) with training-time test (EAGLE-3).
+
+At serving time a feature draft's first position reads target features and each later one reads the
+draft's own output stream from the position before. Training unrolls the same chain `depth` times over
+whole sequences at once: step 0 reads fc(target features at p - 1) at every position p; step j reads
+step j - 1's aux stream at p - 1. Step j's query at p sees what the served draft would see at the j-th
+drafted position: step 0's keys at positions <= p - j (written from target features) and step i's key
+at position p - j + i for i = 1..j (the drafted positions before it, and its own). Every step predicts
+t_{p+1} against the target's top-K there; step j's loss weighs DECAY**j.
+
+The token a drafted position reads is the true next token: a draft's later positions only count when the
+earlier ones were accepted, i.e. equal to the target's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from common.distributed import Comm
+from common.kernels.fused import apply_rotary_reference
+from common.kv_cache import KVCache
+from common.models.feature_draft import FeatureDraft
+from common.models.transformer import Transformer
+from common.training.measure import Acceptance, solve_alpha
+
+DECAY = 0.8  # weight of unrolled step j's loss: DECAY**j (EAGLE-3's)
+
+
+def build_feature_draft(
+    target: Transformer, layers: tuple[int, ...], markov_rank: int, seed: int, device="cpu"
+) -> FeatureDraft:
+    """A float32 feature draft for `target`, reading the streams entering `layers`. Its layer starts as the
+    target's last one reading only the fused stream, and fc as the pick of the highest captured stream:
+    before training it continues the target from that layer on, with one layer."""
+    num = target.config.num_hidden_layers
+    if not layers or any(not 0 <= i < num for i in layers):
+        raise ValueError(f"--feature-layers: {list(layers)} must be layers of the target (0..{num - 1})")
+    cfg = dataclasses.replace(
+        target.config,
+        num_hidden_layers=1,
+        feature_layers=tuple(layers),
+        markov_rank=markov_rank,
+        name="draft",
+    )
+    draft = FeatureDraft(cfg, Comm(), dtype=torch.float32, device=device)
+    src = dict(target.named_parameters())
+    hidden = cfg.hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            last = name.replace("model.layers.0.", f"model.layers.{num - 1}.")
+            if name == "model.layers.0.self_attn.qkv_proj.weight":
+                param.zero_()
+                param[:, hidden:] = src[last]
+            elif name == "model.fc.weight":
+                param.zero_()
+                param[:, -hidden:] = torch.eye(hidden)
+            elif name == "model.layers.0.hidden_norm.weight":
+                param.copy_(src[f"model.layers.{num - 1}.input_layernorm.weight"])
+            elif name.startswith("markov_head."):
+                if "markov_w1" in name:
+                    param.copy_(torch.randn(param.shape, generator=gen) / markov_rank**0.5)
+                else:
+                    param.zero_()  # an untrained head adds nothing
+            elif last in src:
+                param.copy_(src[last])
+            else:
+                param.copy_(src[name])
+            param.requires_grad_(not name.startswith(("model.embed_tokens.", "lm_head.")))
+    return draft
+
+
+@torch.no_grad()
+def target_features(target: Transformer, ids: Tensor, layers: tuple[int, ...]) -> Tensor:
+    """ids [B, L] -> [B, L, F] fp32: at each position p the features of position p - 1 (zeros at 0), as
+    the served draft reads them (FeatureStore.previous)."""
+    bsz, width = ids.shape
+    cache = KVCache.for_model(target, bsz, width)
+    positions = torch.arange(width, device=ids.device).expand(bsz, width)
+    _, streams = target.forward_streams(
+        ids, positions, torch.arange(bsz, device=ids.device), cache, width, layers
+    )
+    feats = torch.cat(streams, dim=-1).float()
+    return torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)
+
+
+def _shift(x: Tensor, n: int) -> Tensor:
+    """x [B, L, ...] moved n positions later along L (zeros first)."""
+    if n == 0:
+        return x
+    return torch.cat([torch.zeros_like(x[:, :n]), x[:, :-n]], dim=1)
+
+
+def _attention(draft: FeatureDraft, x: Tensor, cos: Tensor, sin: Tensor, keys: list, values: list) -> Tensor:
+    """The draft layer's attention for unrolled step j = len(keys) (see the module docstring); appends this
+    step's keys and values. x [B, L, 2H] -> [B, L, H]."""
+    attn = draft.model.layers[0].self_attn
+    bsz, width, _ = x.shape
+    nh, nkv, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q, k, v = attn.qkv_proj(x).view(bsz, width, nh + 2 * nkv, hd).split((nh, nkv, nkv), dim=2)
+    if attn.qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)
+    keys.append(k)
+    values.append(v)
+    j = len(keys) - 1
+    acc = torch.promote_types(x.dtype, torch.float32)  # fp32 scores (float64 in the exactness test)
+    q = q.to(acc).view(bsz, width, nkv, nh // nkv, hd)  # GQA: the query heads of one KV head grouped
+    # Step 0's keys, causal and j positions back: [B, nkv, group, L, L].
+    scores = torch.einsum("blngd,bmnd->bnglm", q, keys[0].to(acc)) * attn.scale
+    pos = torch.arange(width, device=x.device)
+    scores = scores.masked_fill(pos[None, :] > pos[:, None] - j, float("-inf"))
+    # One key from each later step i, at p - j + i: [B, nkv, group, L, j].
+    shifted_k = [_shift(keys[i], j - i).to(acc) for i in range(1, j + 1)]
+    shifted_v = [_shift(values[i], j - i).to(acc) for i in range(1, j + 1)]
+    if shifted_k:
+        diag = torch.stack([torch.einsum("blngd,blnd->bngl", q, kk) for kk in shifted_k], -1) * attn.scale
+        valid = torch.stack([pos >= j - i for i in range(1, j + 1)], -1)  # [L, j]
+        scores = torch.cat([scores, diag.masked_fill(~valid, float("-inf"))], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bnglm,bmnd->blngd", probs[..., :width], values[0].to(acc))
+    for i, vv in enumerate(shifted_v):
+        out = out + probs[..., width + i, None].permute(0, 3, 1, 2, 4) * vv[:, :, :, None]
+    return attn.o_proj(out.reshape(bsz, width, nh * hd).to(x.dtype))
+
+
+def unrolled_hidden(draft: FeatureDraft, ids: Tensor, feats: Tensor, depth: int) -> list[Tensor]:
+    """ids [B, L], feats [B, L, F] (target features at p - 1) -> per unrolled step j < depth the hidden
+    states [B, L, H] after the final norm, whose head predicts t_{p+1}."""
+    layer = draft.model.layers[0]
+    width = ids.shape[1]
+    cos, sin = draft.rotary.table(width)
+    cos, sin = cos[:width][None, :, None], sin[:width][None, :, None]
+    embeds = layer.input_layernorm(draft.model.embed_tokens(ids))
+    fused, keys, values, out = draft.fuse(feats), [], [], []
+    for _ in range(depth):
+        x = torch.cat([embeds, layer.hidden_norm(fused)], dim=-1)
+        h = _attention(draft, x, cos, sin, keys, values)
+        h, residual = layer.post_attention_layernorm(h, fused)
+        hidden, aux = draft.model.norm(layer.mlp(h), residual)
+        out.append(hidden)
+        fused = _shift(aux, 1)
+    return out
+
+
+def ttt_loss(draft: FeatureDraft, feats, ids, tk_ids, tk_probs, mask, depth: int, use_markov: bool = True):
+    """(weighted soft cross-entropy, step 0's KL) against the target's renormalised top-K, over `mask`."""
+    p = tk_probs / tk_probs.sum(-1, keepdim=True).clamp_min(1e-9)
+    entropy = -(p * p.clamp_min(1e-9).log()).sum(-1)
+    total, weight, kl0 = 0.0, 0.0, None
+    pos = torch.arange(ids.shape[1], device=ids.device)
+    for j, hidden in enumerate(unrolled_hidden(draft, ids, feats, depth)):
+        m = mask & (pos >= j)[None]
+        logits = draft.compute_logits(hidden[m], ids[m] if use_markov else None)
+        logq = torch.log_softmax(logits, -1).gather(-1, tk_ids[m])
+        ce = -(p[m] * logq).sum(-1).mean()
+        total, weight = total + DECAY**j * ce, weight + DECAY**j
+        if j == 0:
+            kl0 = ce - entropy[m].mean()
+    return total / weight, kl0
+
+
+@torch.inference_mode()
+def feature_acceptance(
+    draft: FeatureDraft, target: Transformer, prompts: list[list[int]], answers: list[list[int]], k: int
+) -> Acceptance:
+    """Greedy speculative rounds replayed as served: each round drafts k tokens through the chain (target
+    features up to the committed tokens, then the draft's own), the target's answer accepts a prefix and
+    adds one token. Accepted per round -> mean, per-token alpha."""
+    device = draft.model.embed_tokens.weight.device
+    accepted_all, agree, total = [], 0, 0
+    for prompt, answer in zip(prompts, answers):
+        seq = torch.tensor([prompt + answer], device=device)
+        feats = target_features(target, seq, tuple(draft.config.feature_layers)).to(device)
+        cache = KVCache.for_model(draft, 1, seq.shape[1] + k + 1)
+        slot = torch.zeros(1, dtype=torch.int64, device=device)
+        done = 0  # draft KV holds positions < done, all from target features
+        p = len(prompt)  # committed tokens; the next round drafts t_p..
+        while p < seq.shape[1]:
+            pos = torch.arange(done, p, device=device)[None]
+            hidden, aux = draft(seq[:, done:p], pos, slot, cache, cache.max_len, draft.fuse(feats[:, done:p]))
+            done = p
+            hidden, aux, prev = hidden[:, -1], aux[:, -1], seq[:, p - 1]
+            drafted = []
+            for j in range(k):
+                token = draft.map_to_target(draft.compute_logits(hidden, prev).argmax(-1))
+                drafted.append(int(token))
+                if j == k - 1:
+                    break
+                at = torch.tensor([[p + j]], device=device)
+                hidden, aux = draft(token[:, None], at, slot, cache, cache.max_len, aux[:, None])
+                hidden, aux, prev = hidden[:, 0], aux[:, 0], token
+            truth = seq[0, p : p + k].tolist()
+            a = 0
+            while a < len(truth) and drafted[a] == truth[a]:
+                a += 1
+            accepted_all.append(a)
+            agree += a
+            total += len(truth[:k])
+            p += a + 1
+    mean = sum(accepted_all) / max(1, len(accepted_all))
+    return Acceptance(k, mean, solve_alpha(mean, k), len(accepted_all), agree / max(1, total))

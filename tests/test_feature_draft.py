@@ -1,0 +1,244 @@
+"""Feature drafts (EAGLE-3 style, common/models/feature_draft.py): training, the protocol, both placements.
+
+One module-scoped run trains a tiny feature draft for a tiny random target with the real CLI. Then:
+training-time test computes exactly what the served draft computes; the checkpoint holds the draft's own
+tensors; served as its own service (features on the Speculate stream as bf16) and inside the target
+(features read in place, rounds chained to the verify), greedy output equals plain decoding with drafts
+made and accepted; sampled verification with the feature draft keeps the target's distribution
+(chi-square with a power check); a target that captures no features, an old protocol and malformed
+features each get a clear answer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from common.config import ModelConfig
+from common.distributed import Comm
+from common.features import FeatureStore, from_wire, to_wire
+from common.kv_cache import KVCache
+from common.loader import load_model, load_tokenizer
+from common.models.feature_draft import FeatureDraft
+from common.training import prompts as builtin_prompts
+from common.training.feature_train import unrolled_hidden
+from common.training.train_draft import main as train_draft_main
+from specsplit.v1 import draft_pb2, draft_pb2_grpc
+from tests.service_util import (
+    generate_many,
+    request,
+    running,
+    speculative_equals_plain,
+    start_draft,
+    start_target,
+)
+from tests.test_services_lossless import assert_first_tokens_follow
+from tests.tiny import make_tiny_model
+
+LAYERS = "0,1,2"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(target, feature draft, log dir): a 3-layer random target and a feature draft trained for it."""
+    root = tmp_path_factory.mktemp("feature_draft")
+    target = make_tiny_model(root / "target", seed=0, num_layers=3, vocab_size=512, hidden_size=64)
+    args = [
+        "--kind", "feature", "--target", str(target), "--out", str(root / "run"), "--device", "cpu",
+        "--seed", "3", "--markov-rank", "16", "--num-prompts", "32", "--max-new-tokens", "40",
+        "--temperatures", "0", "--gen-batch-size", "32", "--steps", "40", "--batch-size", "16",
+        "--warmup", "5", "--lr", "3e-3", "--markov-lr", "3e-2", "--log-every", "20",
+        "--save-dtype", "float32", "--eval-prompts", "4", "--eval-max-new-tokens", "24", "--eval-k", "1,4",
+    ]  # fmt: skip
+    assert train_draft_main(args) == 0
+    return target, root / "run" / "draft", root
+
+
+def tiny_feature_draft(architecture: str) -> FeatureDraft:
+    qk_norm = architecture == "Qwen3ForCausalLM"
+    cfg = ModelConfig(architecture, 100, 32, 64, 1, 4, 2, 8, 1e-6, 10000.0, None, 512, True, False, qk_norm,
+                      None, None, "float32", feature_layers=(0, 1, 2))  # fmt: skip
+    model = FeatureDraft(cfg, Comm())
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_training_time_test_computes_the_served_chain(architecture: str) -> None:
+    """Unrolled step j at position p equals the served draft's j-th drafted position when its round starts
+    at p - j: target features up to there, its own streams after (fp32; the served attention's scores
+    round through fp32 as well)."""
+    model = tiny_feature_draft(architecture)
+    gen = torch.Generator().manual_seed(1)
+    width, depth = 12, 4
+    ids = torch.randint(0, 100, (1, width), generator=gen)
+    feats = torch.randn(1, width, 96, generator=gen)
+    with torch.no_grad():
+        unrolled = unrolled_hidden(model, ids, feats, depth)
+        for start in range(1, width - depth + 1):
+            cache = KVCache.for_model(model, 1, 64)
+            slot = torch.zeros(1, dtype=torch.int64)
+            pos = torch.arange(start)[None]
+            hidden, aux = model(ids[:, :start], pos, slot, cache, 64, model.fuse(feats[:, :start]))
+            torch.testing.assert_close(hidden[0, -1], unrolled[0][0, start - 1], rtol=0, atol=2e-6)
+            aux = aux[:, -1]
+            for j in range(1, depth):
+                p = start - 1 + j
+                hidden, aux = model(ids[:, p : p + 1], torch.tensor([[p]]), slot, cache, 64, aux[:, None])
+                torch.testing.assert_close(hidden[0, 0], unrolled[j][0, p], rtol=0, atol=2e-6)
+                aux = aux[:, 0]
+
+
+def test_features_round_trip_the_wire_and_store() -> None:
+    rows = torch.randn(5, 12)
+    back = from_wire(to_wire(rows), 12, "verdicts.features")
+    assert torch.equal(back, rows.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"verdicts\.features: 10 bytes"):
+        from_wire(b"\0" * 10, 12, "verdicts.features")
+    store = FeatureStore((0, 2), 6, num_slots=3, max_len=8, dtype=torch.float32, device="cpu")
+    store.write(torch.tensor([1]), torch.tensor([[0, 1, 2]]), [torch.ones(1, 3, 6), 2 * torch.ones(1, 3, 6)])
+    prev = store.previous(torch.tensor([1]), torch.tensor([[0, 1, 3]]))
+    assert torch.equal(prev[0, 0], torch.zeros(12))  # position 0 has no predecessor
+    assert torch.equal(prev[0, 1], torch.tensor([1.0] * 6 + [2.0] * 6))
+    assert torch.equal(prev[0, 2], prev[0, 1])
+
+
+def test_checkpoint_holds_the_draft_layer_and_reads_the_rest_from_the_target(pair) -> None:
+    target_dir, draft_dir, _ = pair
+    draft = load_model(draft_dir, Comm())
+    assert isinstance(draft, FeatureDraft)
+    assert draft.config.feature_layers == (0, 1, 2) and draft.config.num_hidden_layers == 1
+    target = load_model(target_dir, Comm())
+    assert torch.equal(draft.model.embed_tokens.weight, target.model.embed_tokens.weight)
+    assert draft.model.fc.weight.shape == (64, 3 * 64)
+    assert draft.markov_head.markov_w2.weight.abs().sum() > 0  # trained (it starts at zero)
+
+
+def prompts_for(target_dir: Path, n: int) -> list[list[int]]:
+    tok = load_tokenizer(target_dir)
+    return [tok.encode(t) for t in builtin_prompts.held_out_prompts()[:n]]
+
+
+@pytest.mark.slow
+def test_feature_draft_service_is_lossless_with_features_on_the_wire(pair) -> None:
+    target_dir, draft_dir, log_dir = pair
+    with running(start_draft(draft_dir, log_dir).wait_ready()) as (draft,):
+        target = start_target(target_dir, log_dir, draft, "--draft-feature-layers", LAYERS).wait_ready()
+        with running(target):
+            spec, _ = speculative_equals_plain(target.address, prompts_for(target_dir, 4), 2, k=4,
+                                               max_new_tokens=32)  # fmt: skip
+            feature_bytes = target.metric("specsplit_grpc_payload_bytes_total", kind="target_features")
+    assert sum(r.usage.drafted_tokens for r in spec) > 0
+    assert sum(r.usage.accepted_tokens for r in spec) > 0
+    # bf16: 2 bytes x 3 layers x 64 per committed token at least once
+    assert feature_bytes >= 2 * 3 * 64 * sum(len(p) for p in prompts_for(target_dir, 4))
+
+
+@pytest.mark.slow
+def test_feature_draft_at_tp2_keeps_local_argmax_and_the_replicated_markov_head(pair) -> None:
+    """The draft on two gloo ranks: features reach both, the LM head reduces locally (its argmax site
+    moves bytes, no logits are gathered), and the drafts are those of one rank: the same acceptance."""
+    target_dir, draft_dir, log_dir = pair
+    ps = prompts_for(target_dir, 4)
+    counts = []
+    for tp in ("1", "2"):
+        with running(start_draft(draft_dir, log_dir, "--tp-size", tp).wait_ready()) as (draft,):
+            target = start_target(target_dir, log_dir, draft, "--draft-feature-layers", LAYERS,
+                                  name=f"target-tp{tp}").wait_ready()  # fmt: skip
+            with running(target):
+                spec, _ = speculative_equals_plain(target.address, ps, 2, k=4, max_new_tokens=32)
+            head_bytes = {site: draft.metric("specsplit_tp_comm_bytes_total", site=site)
+                          for site in ("lm_head_argmax", "logits_gather", "markov_head")}  # fmt: skip
+        counts.append((sum(r.usage.drafted_tokens for r in spec), sum(r.usage.accepted_tokens for r in spec)))
+    assert counts[0] == counts[1] and counts[1][1] > 0, counts
+    # Two ranks: one (value, index) pair per rank and row at each position; no logits gathered, and the
+    # replicated Markov head moves nothing.
+    assert head_bytes["lm_head_argmax"] > 0 and head_bytes["logits_gather"] == head_bytes["markov_head"] == 0
+
+
+@pytest.mark.slow
+def test_feature_draft_in_the_target_is_lossless_and_chained(pair) -> None:
+    target_dir, draft_dir, log_dir = pair
+    target = start_target(target_dir, log_dir, None, "--draft-local", f"--model {draft_dir} --metrics-port 0",
+                          "--speculation-policy", "fixed", name="target-local").wait_ready()  # fmt: skip
+    with running(target):
+        spec, _ = speculative_equals_plain(
+            target.address, prompts_for(target_dir, 4), 2, k=4, max_new_tokens=32
+        )
+        log = target.log_text()
+    assert sum(r.usage.drafted_tokens for r in spec) > 0
+    assert sum(r.usage.accepted_tokens for r in spec) > 0
+    assert "feature draft: no branches and no draft-ahead" in log
+
+
+@pytest.mark.slow
+def test_target_without_features_decodes_plainly_and_says_why(pair) -> None:
+    target_dir, draft_dir, log_dir = pair
+    with running(start_draft(draft_dir, log_dir).wait_ready()) as (draft,):
+        target = start_target(target_dir, log_dir, draft, name="target-nofeat").wait_ready()
+        with running(target):
+            spec, _ = speculative_equals_plain(target.address, prompts_for(target_dir, 2), 2, k=4,
+                                               max_new_tokens=16)  # fmt: skip
+            log = target.log_text()
+    assert sum(r.usage.drafted_tokens for r in spec) == 0
+    assert f"start it with --draft-feature-layers {LAYERS}" in log
+
+
+@pytest.mark.slow
+def test_old_protocol_and_bad_features_get_a_status_naming_the_field(pair) -> None:
+    _, draft_dir, log_dir = pair
+    start = draft_pb2.DraftRequestStart(request_id=1, token_ids=[1, 2, 3], num_speculative_tokens=2)
+    cases = [
+        (draft_pb2.SpeculateRequest(step=1, starts=[start], propose=[1]), grpc.StatusCode.FAILED_PRECONDITION,
+         "protocol_version"),
+        (draft_pb2.SpeculateRequest(step=1, starts=[start], propose=[1], protocol_version=2),
+         grpc.StatusCode.INVALID_ARGUMENT, "starts.features: 0 rows"),
+    ]  # fmt: skip
+    with running(start_draft(draft_dir, log_dir).wait_ready()) as (draft,):
+        with grpc.insecure_channel(draft.address) as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            info = stub.GetDraftInfo(draft_pb2.GetDraftInfoRequest())
+            assert list(info.feature_layers) == [0, 1, 2] and info.feature_size == 3 * 64
+            for msg, code, field in cases:
+                with pytest.raises(grpc.RpcError) as err:
+                    list(stub.Speculate(iter([msg]), timeout=30))
+                assert err.value.code() == code and field in err.value.details(), err.value.details()
+            # The draft serves on: a well-formed stream after the refused ones is answered.
+            good = draft_pb2.DraftRequestStart(request_id=1, token_ids=[1, 2, 3], num_speculative_tokens=2,
+                                               features=to_wire(torch.zeros(2, 3 * 64)))  # fmt: skip
+            msg = draft_pb2.SpeculateRequest(step=1, starts=[good], propose=[1], protocol_version=2)
+            (answer,) = list(stub.Speculate(iter([msg]), timeout=30))
+            assert len(answer.proposals[0].token_ids) == 2
+
+
+# 1000 one-token requests, each drafted with the feature draft's sampled top-K: a minute or two on 2 cores.
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.xdist_group("chi_square_feature")
+def test_sampled_feature_drafting_keeps_the_target_distribution(pair) -> None:
+    """The first generated token over 1000 seeds follows the target's softmax at the prompt (chi-square,
+    bins with expected count >= 5 merged, threshold df + 10 * sqrt(2 * df)), with the draft in the target
+    sampling from its own top-K (q travels with each proposal)."""
+    from common.models.generate import forward_rows
+
+    target_dir, draft_dir, log_dir = pair
+    prompt = prompts_for(target_dir, 1)[0]
+    model = load_model(target_dir, Comm())
+    with torch.inference_mode():
+        hidden = forward_rows(model, KVCache.for_model(model, 1, len(prompt) + 1), [0], [0], [prompt])
+        p = torch.softmax(model.compute_logits(hidden[0, -1:])[0].double(), -1)
+    flags = f"--model {draft_dir} --metrics-port 0 --draft-sampling sampled --no-use-local-argmax-reduction"
+    target = start_target(target_dir, log_dir, None, "--draft-local", flags, "--speculation-policy", "fixed",
+                          name="target-sampled").wait_ready()  # fmt: skip
+    with running(target):
+        reqs = [request(prompt, max_new_tokens=1, temperature=1.0, seed=s) for s in range(1000)]
+        results = generate_many(target.address, reqs, 16)
+    assert sum(r.usage.drafted_tokens for r in results) > 0
+    assert_first_tokens_follow([r.ids[0] for r in results], p)
