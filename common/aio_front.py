@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from common.grpc_util import SERVER_OPTIONS, add_port, allowed, denial, read_token
 from common.lifecycle import freeze_startup_heap
 from common.metrics import start_metrics_server
+from common.service import LOADING, PendingServicer
 from common.settings import ServiceConfig
 from common.tls import CertificateWatcher
 
@@ -115,6 +116,20 @@ def _deliver_all(batch: list[tuple[StreamOut, Any]]) -> None:
         out._deliver(item)
 
 
+class PendingAioServicer(PendingServicer):
+    """PendingServicer for the asyncio server: every RPC answers UNAVAILABLE ("the model is loading")
+    until `attach`. A streaming RPC's servicer writes with `context.write`, so forwarding is one await."""
+
+    def _forward(self, name: str) -> Callable:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            servicer = self._servicer
+            if servicer is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, LOADING)
+            return await getattr(servicer, name)(request, context)
+
+        return call
+
+
 def _add_port(server: grpc.aio.Server, config: ServiceConfig, certificates: CertificateWatcher) -> int:
     """Plaintext, TLS or mTLS, as the sync servers bind (grpc.aio servers take the same calls)."""
     address = f"{config.host}:{config.port}"
@@ -132,10 +147,12 @@ class AioFront:
         service_name: str,
         register: Callable[[grpc.aio.Server], None],
         metrics_port: int | None = None,
+        local_socket: str = "",
         certificates: CertificateWatcher | None = None,
     ):
         """Binds everything; raises ValueError naming the flag on bad TLS/token/port settings.
-        `metrics_port`: /metrics is already served there (started before the model load);
+        `metrics_port`: /metrics is already served there (started before the model load).
+        `local_socket`: also serve plaintext on this Unix socket (in-process gateways: the HTTP API).
         `certificates`: the process's TLS files (reloaded when they change), else a watcher of its own."""
         self.service_name = service_name
         self.loop = asyncio.new_event_loop()
@@ -154,6 +171,8 @@ class AioFront:
             port = _add_port(
                 server, config, certificates or CertificateWatcher(None, config.tls_reload_interval)
             )
+            if local_socket and not server.add_insecure_port(f"unix:{local_socket}"):
+                raise ValueError(f"cannot bind the local socket {local_socket}")
             return server, health_servicer, port
 
         try:
@@ -181,9 +200,14 @@ class AioFront:
 
         self.call(set_all())
 
-    def start(self, detail: str = "") -> None:
-        freeze_startup_heap()  # the model and its graphs are loaded: as common.service.Front.start does
+    def open(self) -> None:
+        """Starts serving RPCs with health NOT_SERVING (before the model loads: see PendingAioServicer)."""
         self.call(self.server.start())
+        log.info("listening: grpc port %d (asyncio), metrics port %d (loading)", self.port, self.metrics_port)
+
+    def start(self, detail: str = "") -> None:
+        """The model is loaded: report SERVING."""
+        freeze_startup_heap()  # the model and its graphs are loaded: as common.service.Front.start does
         self.set_serving(True)
         log.info("ready: grpc port %d (asyncio), metrics port %d%s", self.port, self.metrics_port, detail)
         # Launchers (specsplit.launch, the demo) wait for this line.

@@ -28,6 +28,13 @@ def install_drain_handler(on_drain: Callable[[], None]) -> threading.Event:
     return draining
 
 
+def release_startup_heap() -> None:
+    """Undoes freeze_startup_heap at shutdown: objects left frozen are never collected, and the native
+    extensions (Triton's nanobind bindings) then report each of them as "leaked" at exit."""
+    gc.unfreeze()
+    gc.collect()
+
+
 def freeze_startup_heap() -> None:
     """Takes every object alive once start-up is done (the model, its CUDA graphs' Python side, torch's
     and Triton's caches) out of the garbage collector's reach (gc.freeze, as vLLM and SGLang do after

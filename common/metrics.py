@@ -336,13 +336,21 @@ METRICS = (
         "1 while the target holds a healthy stream to the draft service, else 0.",
     ),
     MetricSpec(
+        "_not_drafting",
+        Gauge,
+        "not_drafting",
+        "1 for the reason the target's last step drafted nothing though its requests allowed it "
+        "(e.g. the adaptive policy: draft cost exceeds expected gain); all 0 while it drafts.",
+        labels=("reason",),
+    ),
+    MetricSpec(
         "_tls_expiry",
         Gauge,
         "tls_certificate_expiry_timestamp_seconds",
         "Expiry (Unix time) of the certificate the service holds from a TLS flag (`certificate`: tls_cert, "
         "tls_client_ca, draft_tls_cert, draft_tls_ca; a bundle's earliest); follows a renewal on disk "
         "without a restart (common/tls.py).",
-        ("certificate",),
+        labels=("certificate",),
     ),
 )
 
@@ -378,6 +386,7 @@ class ServiceMetrics:
         for code in SERVER_ERROR_CODES:
             self.request_error(code)
         registry.register(TPCommCollector(role, model, comm_stats))
+        self._not_drafting_reason = ""
 
     def _family(self, spec: MetricSpec, registry: CollectorRegistry):
         """A METRICS row's family on `registry`: its (role, model) child unless it has labels of its own."""
@@ -397,6 +406,16 @@ class ServiceMetrics:
         if child is None:
             child = self._children[family, labels] = family.labels(self.role, self.model, *labels)
         return child
+
+    def set_not_drafting(self, reason: str) -> None:
+        """The reason the last step drafted nothing ("": it drafted); a series per reason seen, one at 1."""
+        if reason == self._not_drafting_reason:
+            return
+        if self._not_drafting_reason:
+            self._child(self._not_drafting, self._not_drafting_reason).set(0)
+        if reason:
+            self._child(self._not_drafting, reason).set(1)
+        self._not_drafting_reason = reason
 
     def accepted_at_position(self, position: int):
         """Counter child for draft position `position`, 0-based (0 = first drafted token)."""

@@ -23,12 +23,13 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.distributed import comm_stats
 from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
-from common.lifecycle import freeze_startup_heap, install_drain_handler
+from common.lifecycle import freeze_startup_heap, install_drain_handler, release_startup_heap
 from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_server
 from common.settings import ServiceConfig
 from common.tls import CertificateWatcher
 
 log = logging.getLogger("specsplit")
+LOADING = "the model is loading; retry when ready"  # UNAVAILABLE's details before the model is loaded
 
 
 class PendingServicer:
@@ -50,7 +51,7 @@ class PendingServicer:
         def call(request: Any, context: grpc.ServicerContext) -> Any:
             servicer = self._servicer
             if servicer is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+                context.abort(grpc.StatusCode.UNAVAILABLE, LOADING)
             return getattr(servicer, name)(request, context)
 
         return call
@@ -160,6 +161,7 @@ def serve_until_drained(drain: Callable[[], None]) -> None:
 
     install_drain_handler(run_drain)
     stopped.wait()
+    release_startup_heap()
 
 
 @dataclass

@@ -26,6 +26,7 @@ from specsplit.errors import (
     RequestCancelledError,
     SpecSplitError,
     UnavailableError,
+    WrongServiceError,
 )
 
 __version__ = "0.1.0"
@@ -53,5 +54,6 @@ __all__ = [
     "TokenLogprob",
     "UnavailableError",
     "Usage",
+    "WrongServiceError",
     "__version__",
 ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,19 @@ import grpc.aio
 TARGET_SERVICE = "specsplit.v1.TargetService"
 HEALTH_SERVICE = "grpc.health.v1.Health"
 HEALTH_CHECK_METHOD = f"/{HEALTH_SERVICE}/Check"
+DRAFT_SERVICE = "specsplit.v1.DraftService"
+DRAFT_INFO_METHOD = f"/{DRAFT_SERVICE}/GetDraftInfo"
+
+# A client's first connection: how long to wait for it to succeed or fail before the call goes ahead
+# anyway (a slow network). A refused or unresolvable address fails within milliseconds.
+CONNECT_CHECK_S = 5.0
+# wait_ready(): seconds between health checks.
+READY_POLL_S = 0.25
+_SETTLED = (
+    grpc.ChannelConnectivity.READY,
+    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+    grpc.ChannelConnectivity.SHUTDOWN,
+)
 
 # Token ids for a long prompt are a few MB at most; 64 MiB leaves room without being unbounded.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -148,3 +164,58 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     # Sent as plain metadata rather than call credentials so a token also works on an insecure
     # loopback/sidecar channel; use TLS whenever the token crosses a network.
     return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def first_connect(channel: grpc.Channel, timeout: float | None) -> grpc.ChannelConnectivity | None:
+    """Connects and waits up to `timeout` (at most CONNECT_CHECK_S) for READY or a failure; None when
+    neither came in time. A client checks its first connection this way: gRPC's retry policy would
+    otherwise retry a wrong address with backoff for seconds before saying it is unreachable."""
+    settled: list[grpc.ChannelConnectivity] = []
+    done = threading.Event()
+
+    def on_change(state: grpc.ChannelConnectivity) -> None:
+        if state in _SETTLED and not done.is_set():
+            settled.append(state)
+            done.set()
+
+    channel.subscribe(on_change, try_to_connect=True)
+    try:
+        done.wait(min(timeout, CONNECT_CHECK_S) if timeout is not None else CONNECT_CHECK_S)
+    finally:
+        channel.unsubscribe(on_change)
+    return settled[0] if settled else None
+
+
+async def first_connect_aio(
+    channel: grpc.aio.Channel, timeout: float | None
+) -> grpc.ChannelConnectivity | None:
+    """`first_connect` for an asyncio channel."""
+    wait = min(timeout, CONNECT_CHECK_S) if timeout is not None else CONNECT_CHECK_S
+    deadline = time.monotonic() + wait
+    state = channel.get_state(try_to_connect=True)
+    while state not in _SETTLED:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            await asyncio.wait_for(channel.wait_for_state_change(state), left)
+        except TimeoutError:
+            return None
+        state = channel.get_state(try_to_connect=True)
+    return state
+
+
+def unreachable_message(target: str, tls: bool) -> str:
+    why = (
+        "nothing listens there, the name does not resolve, or the TLS handshake failed"
+        if tls
+        else ("nothing listens there, or the name does not resolve")
+    )
+    return f"cannot connect to {target} ({why})"
+
+
+def wrong_service_message(target: str) -> str:
+    return (
+        f"{target}: this is a draft service, not a target (it serves {DRAFT_SERVICE}); point the client "
+        "at the target service (default port 50051)"
+    )

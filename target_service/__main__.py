@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import tempfile
 import time
+from typing import TYPE_CHECKING
 
-from common.aio_front import AioFront
+from common.aio_front import AioFront, PendingAioServicer
 from common.grpc_util import read_token
 from common.logs import setup_logging
 from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_server
@@ -24,8 +27,12 @@ from target_service.runner import TargetRunner, tp_worker
 from target_service.scheduler import Scheduler
 from target_service.server import TargetServicer
 
+if TYPE_CHECKING:
+    from target_service.openai_api import HTTPFront
+
 log = logging.getLogger("specsplit.target")
-SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+SERVICE = target_pb2.DESCRIPTOR.services_by_name["TargetService"]
+SERVICE_NAME = SERVICE.full_name
 
 
 def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
@@ -34,6 +41,22 @@ def _eos_ids(eos: int | list[int] | None, tokenizer) -> frozenset[int]:
     if tok_eos is not None:
         ids.add(tok_eos)
     return frozenset(ids)
+
+
+def open_http(config: TargetConfig, local_socket: str) -> HTTPFront | None:
+    """The OpenAI-compatible HTTP API (--http-port), bound now, over the gRPC API on `local_socket`."""
+    if config.http_port < 0:
+        return None
+    from target_service.openai_api import HTTPFront  # starlette/uvicorn: only when asked for
+
+    token = read_token(config.auth_token_file) if config.auth_token_file else None
+    return HTTPFront(config.host, config.http_port, f"unix:{local_socket}", model_label(config), token)
+
+
+def stop_fronts(front: AioFront, http: HTTPFront | None, grace: float = 0) -> None:
+    if http is not None:
+        http.stop()
+    front.stop(grace=grace)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +89,29 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--metrics-port: %s", exc)
         return 2
     announce_metrics_port(metrics_port)
+    # Server and draft-link certificates, reloaded when cert-manager renews them (expiry on /metrics).
+    certificates = CertificateWatcher(metrics.set_tls_expiry, config.tls_reload_interval)
+    # The gRPC port opens now, NOT_SERVING, each RPC UNAVAILABLE ("the model is loading") until loaded.
+    pending = PendingAioServicer(SERVICE)
+    local_socket = (
+        os.path.join(tempfile.mkdtemp(prefix="specsplit-"), "grpc.sock") if config.http_port >= 0 else ""
+    )
+    try:
+        front = AioFront(
+            config,
+            SERVICE_NAME,
+            lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(pending, server),
+            metrics_port=metrics_port,
+            local_socket=local_socket,
+            certificates=certificates,
+        )
+        http = open_http(config, local_socket)
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    front.open()
+    if http is not None:
+        http.start()
     log.info(
         "loading target model %s (tp=%d, %s, %s)", config.model, config.tp_size, config.device, config.dtype
     )
@@ -76,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = load_tokenizer(config.model)
     except (ValueError, FileNotFoundError) as exc:
         log.error("cannot load the target model: %s", exc)
+        stop_fronts(front, http)
         return 2
     mc = runner.model.config
     log.info(
@@ -87,10 +134,6 @@ def main(argv: list[str] | None = None) -> int:
         runner.num_graphs,
     )
 
-    # The aio gRPC front (common/aio_front.py) starts after the load; the health port and /metrics are
-    # already up (NOT_SERVING, specsplit_ready 0).
-    # Server and draft-link certificates, reloaded when cert-manager renews them (expiry on /metrics).
-    certificates = CertificateWatcher(metrics.set_tls_expiry, config.tls_reload_interval)
     try:
         link = None
         # Sent to each draft: one on the same GPUs drafts nothing ahead (it would delay the verify).
@@ -127,17 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             max_top_k=mc.vocab_size,
             eos_token_id=min(eos_ids) if eos_ids else None,
             dtype=config.dtype,
+            speculation_policy=config.speculation_policy,
+            draft_kind="local" if draft_config is not None else "service" if link is not None else "none",
         )
         servicer = TargetServicer(config, scheduler, metrics, tokenizer, model_info)
-        front = AioFront(
-            config,
-            SERVICE_NAME,
-            lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, server),
-            metrics_port=metrics_port,
-            certificates=certificates,
-        )
     except (ValueError, FileNotFoundError) as exc:
         log.error("%s", exc)
+        stop_fronts(front, http)
         return 2
 
     scheduler.start()
@@ -146,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         if not link.wait_connected(timeout=5.0):
             log.warning("draft %s not reachable yet: plain decoding until it is", config.draft_address)
     servicer.ready = True
+    pending.attach(servicer)
+    if http is not None and tokenizer is not None:
+        http.gateway.text.decode = tokenizer.decode  # logprobs name their tokens
     front.start(f", verify backend {scheduler.verify_backend}")
     metrics.ready.set(1)
     if health_port is not None:
@@ -164,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             log.warning("drain timeout: aborting %d requests", left)
         scheduler.stop()
-        front.stop(grace=2)
+        stop_fronts(front, http, grace=2)
         if health_port is not None:
             health_port.stop()
 

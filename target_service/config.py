@@ -28,6 +28,11 @@ class TargetConfig(ServiceConfig):
         "with --draft-local, launch the draft's next round for greedy requests right after each verify, "
         "fed from the verify's output on the GPU: the round runs while the host commits the step",
     )
+    http_port: int = flag(
+        -1,
+        "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models; "
+        "the same --auth-token-file): 0 = pick a free one, -1 = off",
+    )
     num_speculative_tokens: int = flag(4, "default k per request")
     max_speculative_tokens: int = flag(8, "largest k a request may ask for")
     max_batch_size: int = flag(32, "requests verified together (= target KV slots)")

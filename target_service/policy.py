@@ -42,6 +42,11 @@ SWITCH_ON_MIN_LEFT = 32
 # try of speculation (no timing, refresh or gate window): no verify wider than one position costs that
 # little. One step in REPROBE_EVERY of such steps still speculates, so a draft that improves is seen.
 MIN_GAIN, REPROBE_EVERY = 0.02, 1024
+# Why a step the batch allowed to speculate did not (policy.off_reason; GetModelInfo, the metrics, usage).
+COST_MEASURED = "draft cost exceeds expected gain (measured: plain steps were faster at this batch size)"
+COST_ESTIMATED = "draft cost exceeds expected gain (estimated from step costs and acceptance)"
+LOW_ACCEPTANCE = f"draft acceptance too low: under {MIN_GAIN:.0%} more tokens per step at any k"
+NEAR_END = "requests near their end: switching speculation on would not pay back its catch-up"
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -76,6 +81,8 @@ class SpeculationPolicy:
         self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
         self.refresh_age: dict[tuple[int, int], int] = {}  # (bucket, k) -> its wait (default REFRESH_AGE)
         self.last_k: int | None = None  # the k chosen for the last step (None: none chosen yet)
+        self.off_reason = ""  # why the last step chose k = 0 though the batch allowed more ("": it did not)
+        self.allowed_k = 0  # the largest k a request of the last step's batch allowed
         self.hopeless_steps = 0  # steps in a row whose drafts promised less than MIN_GAIN
 
     @property
@@ -88,9 +95,11 @@ class SpeculationPolicy:
 
     def choose(self, batch: Sequence[Request]) -> int:
         """The step's k: each request r then drafts min(k, r.k) tokens."""
+        self.off_reason = ""
         k = self._choose(batch)
         if k and self.last_k == 0 and self.mode == ADAPTIVE and self._ending(batch):
             self.gated = False  # a plain step outside the gate's windows (observe_step skips it)
+            self.off_reason = NEAR_END
             k = 0
         self.last_k = k
         return k
@@ -104,7 +113,7 @@ class SpeculationPolicy:
         )
 
     def _choose(self, batch: Sequence[Request]) -> int:
-        max_k = max((r.k for r in batch), default=0)
+        max_k = self.allowed_k = max((r.k for r in batch), default=0)
         self.gated = False  # the step this chooses for is one of the gate's (observe_step)
         if self.mode == FIXED or max_k == 0:
             return max_k
@@ -112,6 +121,7 @@ class SpeculationPolicy:
         if tokens[max_k] < (1 + MIN_GAIN) * tokens[0]:
             self.hopeless_steps += 1
             if self.hopeless_steps % REPROBE_EVERY:
+                self.off_reason = LOW_ACCEPTANCE
                 return 0  # not one of the gate's steps either: nothing for speculation to win here
         else:
             self.hopeless_steps = 0
@@ -121,6 +131,7 @@ class SpeculationPolicy:
                 goodput = self._goodput(batch, tokens)
                 if isinstance(goodput, list):
                     self._tell_gate(len(batch), goodput, self._best_on(goodput))
+            self.off_reason = COST_ESTIMATED if self.gate.unmeasured(len(batch)) else COST_MEASURED
             return 0
         goodput = self._goodput(batch, tokens)
         if isinstance(goodput, int):
@@ -133,9 +144,13 @@ class SpeculationPolicy:
             best_on = self._best_on(goodput)
             self._tell_gate(len(batch), goodput, best_on)
             if not self.gate.want(len(batch), default=best_k > 0):
+                self.off_reason = COST_ESTIMATED if self.gate.unmeasured(len(batch)) else COST_MEASURED
                 return 0
             best_k = best_on
-        return self._refresh(len(batch), best_k, goodput) if best_k else 0
+        if not best_k:
+            self.off_reason = COST_ESTIMATED
+            return 0
+        return self._refresh(len(batch), best_k, goodput)
 
     def _goodput(self, batch: Sequence[Request], tokens: list[float]) -> list[float] | int:
         """Expected output tokens per second of a step at each k in 0..max_k (tokens: `batch_tokens`), or

@@ -90,13 +90,14 @@ class Request:
     # the streamer with the chunk's tokens).
     pending_logprobs: list[target_pb2.TokenLogprob] = field(default_factory=list)
 
-    def usage(self) -> target_pb2.Usage:
+    def usage(self, speculation_note: str = "") -> target_pb2.Usage:
         return target_pb2.Usage(
             prompt_tokens=len(self.prompt),
             output_tokens=len(self.output),
             drafted_tokens=self.spec.drafted,
             accepted_tokens=self.spec.accepted,
             steps=self.spec.steps,
+            speculation_note=speculation_note,
         )
 
     @property

@@ -34,6 +34,7 @@ from target_service.streamer import Streamer
 __all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposal"]
 
 log = logging.getLogger("specsplit.target")
+NO_DRAFT = "draft not connected"  # why a target with a draft drafts nothing while its link is down
 
 
 class QueueFull(Exception):
@@ -83,6 +84,7 @@ class Scheduler:
         self.to_stream: list[tuple[Request, list[int]]] = []
         self.to_stream_at = 0.0
         self.asked_k = 0  # the k of the latest ask for the whole batch (the step trace)
+        self.not_drafting = ""  # why the latest ask drafted nothing though the batch allowed it
         # Labelled series exist from the start, so rate() sees their first increase.
         for reason in ("length", "eos", "stop_token", "stop_string", "aborted"):
             metrics.finished(reason)
@@ -249,9 +251,12 @@ class Scheduler:
 
     def _ask(self, batch: list[Request], subset: list[Request] | None = None) -> None:
         """Ask the draft for the policy's k (chosen for the whole batch) for `subset` (default: all)."""
-        k = 0
+        k, reason = 0, ""
         if self.session.attached:
             k = self._safely("the speculation policy", self.policy.choose, 0, batch)
+            reason = self.policy.off_reason if not k else ""
+            if not self.session.connected and self.policy.allowed_k:
+                reason = NO_DRAFT
         if self.accounting.branch_gate is not None:
             want = self.accounting.want_branches
             self.session.want_branches = self._safely("the branch gate", want, True, len(batch))
@@ -259,6 +264,9 @@ class Scheduler:
         if subset is None:
             self.metrics.step_k.observe(k)
             self.asked_k = k
+            if reason != self.not_drafting and batch:  # an empty batch keeps the last one's (usage)
+                self.not_drafting = reason
+                self.metrics.set_not_drafting(reason)
 
     def _rows(self, batch: list[Request], proposals: dict[int, Proposal]):
         rows, drafts = [], []
@@ -338,8 +346,13 @@ class Scheduler:
             self.session.release(req)
             self.metrics.waiting.set(len(self.waiting))
             self.delivering += 1
-        self.streamer.finish(req, reason, req.usage(), error)
+        self.streamer.finish(req, reason, req.usage(self._speculation_note(req)), error)
         self._update_gauges()
+
+    def _speculation_note(self, req: Request) -> str:
+        """Why nothing was drafted for a request that allowed it (the last step's reason), else ""."""
+        note = self.not_drafting if req.k and not req.spec.drafted else ""
+        return f"{self.policy.mode} policy: {note}" if note and note != NO_DRAFT else note
 
     def _delivered(self, req: Request) -> None:
         with self.lock:

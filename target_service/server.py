@@ -16,6 +16,7 @@ import grpc
 
 from common.aio_front import StreamOut
 from common.metrics import ServiceMetrics
+from common.service import LOADING
 from common.tokenizer import ChatTemplateError
 from specsplit.v1 import target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
@@ -24,6 +25,7 @@ from target_service.logprobs import MAX_LOGPROBS
 from target_service.scheduler import NotAccepting, QueueFull, Request, Scheduler
 
 MAX_REQUEST_ID = 128
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 INLINE_TEXT = 4096  # longer text prompts (and chat templates) are tokenized off the event loop
 
 
@@ -93,6 +95,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         for i, m in enumerate(messages):
             if not m.role:
                 raise InvalidRequest(f"messages[{i}].role: required")
+            if m.role not in CHAT_ROLES:
+                raise InvalidRequest(f"messages[{i}].role: {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
         try:
             return list(
                 self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
@@ -191,7 +195,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
     async def Generate(self, request: target_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         self.metrics.count_grpc_message("received", "generate_request", request.ByteSize())
         if not self.ready:
-            await self._abort(context, grpc.StatusCode.UNAVAILABLE, "the server is not ready")
+            await self._abort(context, grpc.StatusCode.UNAVAILABLE, LOADING)
         task = asyncio.current_task()
         assert task is not None
 
@@ -263,6 +267,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         info.CopyFrom(self.model_info)
         link = self.scheduler.link
         info.draft_connected = bool(link and link.connected)
+        info.not_drafting_reason = self.scheduler.not_drafting
         if link is not None and link.info is not None:
             info.draft_model = link.info.model
             info.draft_tp_size = link.info.tp_size

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest_sdk import REPO, Stack, free_port
@@ -84,6 +85,11 @@ def test_generate_json(sdk_stack: Stack) -> None:
 def test_info_and_health(sdk_stack: Stack) -> None:
     info = specsplit("info", "--target", sdk_stack.target.address, "--json")
     assert info.returncode == 0 and json.loads(info.stdout)["vocab_size"] == 512
+    described = json.loads(info.stdout)
+    assert (described["speculation_policy"], described["draft_kind"]) == ("fixed", "service")
+    assert described["num_speculative_tokens"] == 4 and described["not_drafting_reason"] == ""
+    ready = specsplit("health", "--target", sdk_stack.target.address, "--wait", "30")
+    assert (ready.returncode, ready.stdout) == (0, "SERVING\n")
     table = specsplit("info", "--target", sdk_stack.target.address)
     assert "vocab_size" in table.stdout and "512" in table.stdout
     health = specsplit("health", "--target", sdk_stack.target.address)
@@ -126,9 +132,16 @@ def test_errors_are_one_line_and_non_zero(sdk_stack: Stack) -> None:
 def test_unreachable_server() -> None:
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     for command in ("health", "info"):
+        start = time.monotonic()
         assert_one_line_error(
             specsplit(command, "--target", address), cli.EXIT_UNAVAILABLE, "unavailable", address
         )
+        assert time.monotonic() - start < 5.0  # the interpreter's start included; the call itself < 1 s
+    # --wait: waits for the server (not there: UNREACHABLE after the wait, exit 3).
+    start = time.monotonic()
+    waited = specsplit("health", "--target", address, "--wait", "1.5")
+    assert (waited.returncode, waited.stdout) == (cli.EXIT_UNAVAILABLE, "UNREACHABLE\n")
+    assert time.monotonic() - start >= 1.5
     assert_one_line_error(specsplit("generate", "--target", address, "--prompt", "hi"), cli.EXIT_UNAVAILABLE,
                           "unavailable")  # fmt: skip
     # --json: the error as one JSON object on stdout as well.
@@ -142,6 +155,16 @@ def test_the_draft_address_is_named_as_the_mistake(sdk_stack: Stack) -> None:
     for command in (["info"], ["health"], ["generate", "--token-ids", "1,2"]):
         result = specsplit(*command, "--target", draft)
         assert_one_line_error(result, cli.EXIT_WRONG_SERVICE, f"{draft} serves the draft service", "--target")
+
+
+def test_did_you_mean_and_help() -> None:
+    hint = specsplit("generate", "--prompt", "hi", "--max-tokens", "5")
+    assert hint.returncode == cli.EXIT_USAGE
+    assert "--max-tokens: did you mean --max-new-tokens?" in hint.stderr, hint.stderr
+    close = specsplit("generate", "--prompt", "hi", "--temprature", "0")
+    assert "--temprature: did you mean --temperature?" in close.stderr, close.stderr
+    top = specsplit("--help").stdout
+    assert "SmolLM2-135M-Instruct" in top and "tiny models" not in top and "serve" in top
 
 
 def test_target_from_the_environment_version_and_json_everywhere(sdk_stack: Stack) -> None:

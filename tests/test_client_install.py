@@ -1,10 +1,12 @@
-"""`pip install specsplit` without the [serve] extra: the SDK and the client commands work with
-grpcio/protobuf only (no torch, triton, numpy, safetensors) against real running services.
+"""`pip install ./client` (the specsplit-client distribution, client/pyproject.toml): the SDK and the
+client commands work with grpcio/protobuf only (no torch, triton, numpy, prometheus_client) against real
+running services, and the install puts nothing into site-packages but the `specsplit` package (no
+top-level `common`, `draft_service`, `target_service`).
 
 Offline: the wheel is built from this checkout; a fresh venv (no system site-packages) installs it
 with --no-deps and sees only grpc, protobuf and grpc_health (linked in through a .pth directory), so
 anything else the client imported would fail here. The wheel's metadata is checked to require
-exactly those three without the extra.
+exactly those three.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import email
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,34 +31,25 @@ from service_util import running, start_draft, start_target
 
 from specsplit.launch import REPO
 
-pytestmark = pytest.mark.slow
-
 CLIENT_DEPS = {"grpcio", "protobuf", "grpcio-health-checking"}
 
 
 def _build_wheel(out: Path) -> Path:
-    # From a copy: setuptools leaves build/ and *.egg-info in the source tree.
+    # From a copy (client/specsplit, a link to the package, copied as files): setuptools leaves build/
+    # and *.egg-info in the source tree.
     src = out.parent / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(REPO / name, src)
-    for name in ("specsplit", "common", "draft_service", "target_service"):
-        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "client", src, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out)]
     subprocess.run([*cmd, str(src)], check=True, timeout=300)
-    return next(out.glob("specsplit-*.whl"))
+    return next(out.glob("specsplit_client-*.whl"))
 
 
-def _requires(wheel: Path) -> tuple[set[str], set[str]]:
-    """(requirements without an extra, requirements of the 'serve' extra), as bare names."""
+def _requires(wheel: Path) -> set[str]:
+    """The wheel's requirements, as bare names."""
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         msg = email.message_from_bytes(z.read(meta))
-    plain, serve = set(), set()
-    for req in msg.get_all("Requires-Dist") or []:
-        name = req.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
-        (serve if "extra ==" in req and "serve" in req else plain).add(name)
-    return plain, serve
+    return {re.split(r"[;<>=!~ ]", req, maxsplit=1)[0].lower() for req in msg.get_all("Requires-Dist") or []}
 
 
 def _client_venv(root: Path, wheel: Path) -> Path:
@@ -78,17 +72,27 @@ def _client_venv(root: Path, wheel: Path) -> Path:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     pip = [sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index"]
     subprocess.run([*pip, str(wheel)], check=True, timeout=300, env=env)
-    return root
+    return root, site
 
 
+@pytest.mark.slow
 def test_client_only_install(demo_models, tmp_path):
     wheel = _build_wheel(tmp_path / "dist")
-    plain, serve = _requires(wheel)
-    assert plain == CLIENT_DEPS, plain
-    assert {"torch", "triton", "safetensors", "numpy"} <= serve, serve
+    assert _requires(wheel) == CLIENT_DEPS, _requires(wheel)
 
-    env_root = _client_venv(tmp_path / "venv", wheel)
+    env_root, site = _client_venv(tmp_path / "venv", wheel)
     py, cli = env_root / "bin" / "python", env_root / "bin" / "specsplit"
+    # Nothing generic in site-packages: the package, its metadata, and this test's .pth.
+    installed = {p.name for p in site.iterdir()} - {"client-deps.pth", "__pycache__"}
+    assert {n for n in installed if not n.startswith(("pip", "_distutils"))} == {
+        "specsplit", "specsplit_client-0.1.0.dist-info"}, installed  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    listed = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "list", "--format", "json"],
+                            capture_output=True, text=True, check=True, env=env)  # fmt: skip
+    names = {d["name"].lower() for d in json.loads(listed.stdout)}
+    assert "specsplit-client" in names and not names & {"torch", "triton", "numpy", "prometheus-client"}, (
+        names
+    )
     clean = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # no PYTHONPATH: only the venv
     no_torch = subprocess.run([py, "-c", "import torch"], capture_output=True, env=clean)
     assert no_torch.returncode != 0, "the client venv must not see torch"
@@ -127,11 +131,39 @@ with specsplit.Client({target.address!r}) as c:
                        num_speculative_tokens=0)
 assert spec.token_ids == plain.token_ids and len(spec.token_ids) == 8, (spec, plain)
 assert spec.usage.drafted_tokens > 0, spec.usage
-heavy = sorted(m for m in ("torch", "triton", "numpy", "safetensors", "common") if m in sys.modules)
+heavy = ("torch", "triton", "numpy", "safetensors", "prometheus_client", "common")
+heavy = sorted(m for m in heavy if m in sys.modules)
 assert not heavy, heavy
 print(spec.token_ids)
 """)  # fmt: skip
         assert sdk.returncode == 0, sdk
         assert json.loads(gen.stdout)["token_ids"] == json.loads(sdk.stdout), (gen.stdout, sdk.stdout)
-        serve = run(cli, "serve-target", "--help")
-        assert serve.returncode != 0 and "specsplit[serve]" in serve.stderr, serve
+        for command in ("serve-target", "serve", "demo"):
+            server_side = run(cli, command, "--help")
+            assert server_side.returncode != 0 and "specsplit[serve]" in server_side.stderr, server_side
+        # A did-you-mean for another tool's flag, and a clear error for the draft's port.
+        hint = run(cli, "generate", "--target", target.address, "--prompt", "hi", "--max-tokens", "4")
+        assert hint.returncode == 2 and "did you mean --max-new-tokens" in hint.stderr, hint
+        wrong = run(cli, "info", "--target", draft.address)
+        assert wrong.returncode == 9 and "serves the draft service" in wrong.stderr, wrong
+
+
+def test_the_demo_installs_the_runtime_set_only():
+    """`make demo` installs requirements.txt (the services' runtime); `make test` adds the dev set on top.
+    The runtime set names none of the test and lint tools, and the dev set includes it whole."""
+    makefile = (REPO / "Makefile").read_text()
+    demo = re.search(r"^demo: (.*)$", makefile, re.M).group(1).split()
+    assert demo == ["$(RUNTIME)"], demo
+    runtime_recipe = makefile[makefile.index("$(RUNTIME):") : makefile.index("$(STAMP):")]
+    assert "-r requirements.txt" in runtime_recipe and "requirements-dev" not in runtime_recipe
+
+    def names(path: Path) -> set[str]:
+        lines = (line.split("#")[0].strip() for line in path.read_text().splitlines())
+        return {re.split(r"[<>=!~\[ ]", line, maxsplit=1)[0].lower() for line in lines if line}
+
+    runtime, dev = names(REPO / "requirements.txt"), names(REPO / "requirements-dev.txt")
+    tools = {"pytest", "pytest-xdist", "ruff", "mypy", "transformers", "accelerate", "hypothesis", "openai",
+             "scipy", "grpcio-tools"}  # fmt: skip
+    assert not runtime & tools and tools <= dev, (runtime & tools, tools - dev)
+    assert "-r requirements.txt" in (REPO / "requirements-dev.txt").read_text().splitlines()
+    assert {"torch", "grpcio", "starlette", "uvicorn", "gguf"} <= runtime

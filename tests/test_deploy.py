@@ -298,8 +298,12 @@ def test_guaranteed_qos_and_target_grpc_only_from_client_namespaces(overlay):
     (policy,) = [
         d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "specsplit-target"
     ]
-    grpc_rules = [r for r in policy["spec"]["ingress"] if {"port": "grpc"} in r.get("ports", [])]
-    (rule,) = grpc_rules
+    client_rules = [r for r in policy["spec"]["ingress"] if {"port": "grpc"} in r.get("ports", [])]
+    (rule,) = client_rules
+    assert rule["ports"] == [{"port": "grpc"}, {"port": "http"}]
+    assert not [
+        r for r in policy["spec"]["ingress"] if {"port": "http"} in r.get("ports", []) and r is not rule
+    ]
     selectors = rule["from"]
     assert {"namespaceSelector": {"matchLabels": {"specsplit.io/client": "true"}}} in selectors
     # Nothing else but this namespace's own pods (cpu-dev only); never every namespace.

@@ -57,13 +57,18 @@ def test_compute_bound_batch_stops_speculating():
     c = costs(64, {w: 5e-3 * w for w in range(1, 6)}, draft=2e-3)
     policy = SpeculationPolicy("adaptive", c, gate=False)
     assert policy.choose(reqs(64, alpha=0.3)) == 0
+    # The reason is kept for GetModelInfo, the metrics and the request's usage; a drafting step clears it.
+    assert policy.off_reason == policy_module.COST_ESTIMATED
+    assert policy.off_reason.startswith("draft cost exceeds expected gain")
+    assert policy.choose(reqs(64, k=0)) == 0 and policy.off_reason == ""  # the requests asked for k = 0
 
 
 def test_intermediate_k_and_fixed_mode():
     # Positions 1-2 nearly free, 3-4 expensive: the best k is 2 at alpha 0.7.
     c = costs(16, {1: 1e-3, 2: 1.05e-3, 3: 1.1e-3, 4: 2.5e-3, 5: 4e-3}, draft=0.2e-3)
     batch = reqs(16, alpha=0.7)
-    assert SpeculationPolicy("adaptive", c, gate=False).choose(batch) == 2
+    adaptive = SpeculationPolicy("adaptive", c, gate=False)
+    assert adaptive.choose(batch) == 2 and adaptive.off_reason == ""
     assert SpeculationPolicy("fixed", c).choose(batch) == 4  # fixed: each request's own k
 
 
@@ -229,6 +234,7 @@ def test_a_draft_that_is_never_right_costs_no_tries():
         policy.observe(drafted=4, accepted=0)
     chosen = [policy.choose(reqs(16)) for _ in range(2 * policy_module.REPROBE_EVERY)]
     assert chosen.count(0) == len(chosen) - 2 and sum(k > 0 for k in chosen) == 2, sorted(set(chosen))
+    assert policy.choose(reqs(16)) == 0 and policy.off_reason == policy_module.LOW_ACCEPTANCE
     # Power: a draft right half the time is measured at once.
     for _ in range(2000):
         policy.observe(drafted=2, accepted=1)
@@ -480,9 +486,12 @@ def test_measured_windows_overrule_the_model_both_ways():
     # 9 ms against 1 ms plain (what the TP=2 pair did): after the first two windows, plain, with a window
     # of 16 speculative steps tried now and then.
     c = costs(1, {1: 1.0e-3, 2: 1.02e-3, 3: 1.04e-3, 4: 1.07e-3, 5: 1.1e-3}, draft=0.3e-3)
-    chosen = _gated_choices(SpeculationPolicy("adaptive", c), batch, lambda k: 9e-3 if k else 1e-3)
+    gated = SpeculationPolicy("adaptive", c)
+    chosen = _gated_choices(gated, batch, lambda k: 9e-3 if k else 1e-3)
     # the model first, then the other mode (each a warm-up half window, then a measured one)
     assert chosen[:24] == [4] * 24 and chosen[24:48] == [0] * 24
+    # the last choice: plain by measurement, and it says so
+    assert chosen[-1] == 0 and gated.off_reason == policy_module.COST_MEASURED
     late = chosen[64:]
     assert 0.85 <= sum(k == 0 for k in late) / len(late) < 1.0
     # The model says plain wins (speculative steps timed at 9 ms, and here the timings never refresh),

@@ -68,7 +68,7 @@ def test_sdk_docs_cli_examples_run(sdk_stack: Stack) -> None:
     """The CLI block's commands (generate, info, health, --version) exit 0 against the real target."""
     (cli_block,) = [b for b in blocks(SDK_DOCS, "bash") if "specsplit --version" in b]
     commands = [line.split("  #")[0] for line in cli_block.splitlines() if line.startswith("specsplit ")]
-    assert len(commands) == 7
+    assert len(commands) == 8
     for command in commands:
         argv = shlex.split(command.replace(DOCS_TARGET, sdk_stack.target.address))
         result = subprocess.run([sys.executable, "-m", "specsplit.cli", *argv[1:]], cwd=REPO,

@@ -256,36 +256,71 @@ def test_deadline_exceeded(client: Client, sdk_stack: Stack, long_gen: GenerateO
     wait_until(lambda: sdk_stack.target.metric(RUNNING) == 0, what="running_requests == 0")
 
 
-def test_unreachable_server_is_unavailable(sdk_stack: Stack) -> None:
+def test_unreachable_server_fails_fast(sdk_stack: Stack) -> None:
+    """A client that never reached its server fails at once, retry policy or not (no backoff for a
+    wrong address); wait_ready() is what waits for a server that is starting."""
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
-    with Client(address, retry=None) as c, pytest.raises(specsplit.UnavailableError):
-        c.model_info()
+    for retry in (RetryPolicy(), None):
+        start = time.monotonic()
+        with Client(address, retry=retry) as c, pytest.raises(specsplit.UnavailableError, match=address):
+            c.model_info()
+        assert time.monotonic() - start < 1.0
 
     async def via_async() -> None:
-        async with AsyncClient(address, retry=None) as aclient:
+        async with AsyncClient(address) as aclient:
             await aclient.generate(PROMPT)
 
-    with pytest.raises(specsplit.UnavailableError):
+    start = time.monotonic()
+    with pytest.raises(specsplit.UnavailableError, match="cannot connect"):
+        asyncio.run(via_async())
+    assert time.monotonic() - start < 1.0
+    # Power: the same call with the default policy on a connected client that loses its server is
+    # retried (next test); wait_for_ready=True waits its deadline instead of failing fast.
+    start = time.monotonic()
+    with Client(address, wait_for_ready=True) as c, pytest.raises(specsplit.DeadlineExceededError):
+        c.model_info(timeout=1.5)
+    assert time.monotonic() - start >= 1.4
+
+
+def test_retry_before_the_first_token_when_the_server_restarts(sdk_stack: Stack, client: Client) -> None:
+    reference = client.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
+    for retry in (RetryPolicy(), None):
+        proxy = TCPProxy(("127.0.0.1", sdk_stack.target.port))
+        try:
+            with Client(proxy.address, retry=retry) as c:
+                assert c.model_info().vocab_size == 512  # connected once
+                # The connection drops and the next one is refused before any byte: a restarting server.
+                proxy.refuse_first = proxy.refused + 1
+                proxy.sever()
+                if retry is None:  # control: without the retry policy the same situation is an error
+                    with pytest.raises(specsplit.UnavailableError):
+                        c.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
+                else:
+                    assert c.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == reference
+                    assert proxy.refused == 1 and proxy.accepted >= 3
+        finally:
+            proxy.close()
+
+
+def test_the_draft_address_is_named_as_the_mistake(sdk_stack: Stack) -> None:
+    draft = sdk_stack.draft.address
+    with Client(draft) as c:
+        for call in (c.model_info, lambda: c.generate(PROMPT, max_new_tokens=2)):
+            with pytest.raises(specsplit.WrongServiceError, match="this is a draft service, not a target"):
+                call()
+
+    async def via_async() -> None:
+        async with AsyncClient(draft) as aclient:
+            await aclient.generate(PROMPT, max_new_tokens=2)
+
+    with pytest.raises(specsplit.WrongServiceError, match=f"{draft}: this is a draft service"):
         asyncio.run(via_async())
 
 
-def test_retry_before_the_first_token_when_the_server_comes_up_late(sdk_stack: Stack, client: Client) -> None:
-    reference = client.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
-    # The proxy drops the first connection before any byte, as a server that is not up yet.
-    proxy = TCPProxy(("127.0.0.1", sdk_stack.target.port), refuse_first=1)
-    try:
-        with Client(proxy.address) as c:
-            assert c.generate(PROMPT, max_new_tokens=8, ignore_eos=True).token_ids == reference
-        assert proxy.refused == 1 and proxy.accepted >= 2
-    finally:
-        proxy.close()
-    # Control: without the retry policy the same situation is an error.
-    proxy = TCPProxy(("127.0.0.1", sdk_stack.target.port), refuse_first=1)
-    try:
-        with Client(proxy.address, retry=None) as c, pytest.raises(specsplit.UnavailableError):
-            c.generate(PROMPT, max_new_tokens=8, ignore_eos=True)
-    finally:
-        proxy.close()
+def test_an_unknown_chat_role_is_refused_naming_the_field(client: Client) -> None:
+    with pytest.raises(specsplit.InvalidRequestError, match="'wizard' is not one of") as error:
+        client.chat([{"role": "user", "content": "hi"}, {"role": "wizard", "content": "abracadabra"}])
+    assert error.value.field == "messages[1].role"
 
 
 def test_no_retry_after_the_first_token(sdk_stack: Stack, long_gen: GenerateOptions) -> None:
@@ -353,9 +388,11 @@ def test_mtls_and_bearer_token(sdk_stack: Stack) -> None:
         c.model_info()
     # No client certificate, or no TLS at all: the handshake fails.
     for tls in (sdk_stack.certs.client_tls(with_client_cert=False), None):
-        with Client(target, tls=tls, auth_token=AUTH_TOKEN, retry=None) as c:
-            with pytest.raises(specsplit.UnavailableError):
+        with Client(target, tls=tls, auth_token=AUTH_TOKEN) as c:
+            with pytest.raises(specsplit.UnavailableError) as error:
                 c.model_info(timeout=5)
+        if tls is not None:
+            assert "TLS handshake" in error.value.details, error.value.details
 
     async def via_async() -> int:
         async with AsyncClient(target, tls=sdk_stack.certs.client_tls(), auth_token=AUTH_TOKEN) as aclient:

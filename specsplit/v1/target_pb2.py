@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from specsplit.v1 import sampling_pb2 as specsplit_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/target.proto\x12\x0cspecsplit.v1\x1a\x1bspecsplit/v1/sampling.proto\"\x8a\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specsplit.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x0b \x01(\x0b\x32\x1a.specsplit.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12#\n\x16num_speculative_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x02\x88\x01\x01\x42\x08\n\x06promptB\x19\n\x17_num_speculative_tokensB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specsplit.v1.ChatMessage\"u\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xcc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specsplit.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\x92\x03\n\x14GetModelInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0etarget_tp_size\x18\x04 \x01(\r\x12\x15\n\rdraft_tp_size\x18\x05 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x1e\n\x16max_speculative_tokens\x18\x07 \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x08 \x01(\t\x12\x1a\n\x12max_context_length\x18\t \x01(\r\x12\x16\n\x0emax_batch_size\x18\n \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0b \x01(\r\x12\x11\n\tmax_top_k\x18\x0c \x01(\r\x12\x17\n\x0f\x64raft_connected\x18\r \x01(\x08\x12\x19\n\x0c\x65os_token_id\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x0f \x01(\tB\x0f\n\r_eos_token_id*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x32\xf5\x01\n\rTargetService\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.specsplit.v1.AbortRequest\x1a\x1b.specsplit.v1.AbortResponse\x12U\n\x0cGetModelInfo\x12!.specsplit.v1.GetModelInfoRequest\x1a\".specsplit.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specsplit/v1/target.proto\x12\x0cspecsplit.v1\x1a\x1bspecsplit/v1/sampling.proto\"\x8a\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.specsplit.v1.TokenIdsH\x00\x12.\n\x08messages\x18\x0b \x01(\x0b\x32\x1a.specsplit.v1.ChatMessagesH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.specsplit.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12#\n\x16num_speculative_tokens\x18\x08 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x02\x88\x01\x01\x42\x08\n\x06promptB\x19\n\x17_num_speculative_tokensB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.specsplit.v1.ChatMessage\"\x8f\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\routput_tokens\x18\x02 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\r\x12\r\n\x05steps\x18\x05 \x01(\r\x12\x18\n\x10speculation_note\x18\x06 \x01(\t\"^\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xcc\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.specsplit.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.specsplit.v1.Usage\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.specsplit.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x15\n\x13GetModelInfoRequest\"\xdf\x03\n\x14GetModelInfoResponse\x12\x14\n\x0ctarget_model\x18\x01 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0etarget_tp_size\x18\x04 \x01(\r\x12\x15\n\rdraft_tp_size\x18\x05 \x01(\r\x12\x1e\n\x16num_speculative_tokens\x18\x06 \x01(\r\x12\x1e\n\x16max_speculative_tokens\x18\x07 \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x08 \x01(\t\x12\x1a\n\x12max_context_length\x18\t \x01(\r\x12\x16\n\x0emax_batch_size\x18\n \x01(\r\x12\x1b\n\x13max_queued_requests\x18\x0b \x01(\r\x12\x11\n\tmax_top_k\x18\x0c \x01(\r\x12\x17\n\x0f\x64raft_connected\x18\r \x01(\x08\x12\x19\n\x0c\x65os_token_id\x18\x0e \x01(\rH\x00\x88\x01\x01\x12\r\n\x05\x64type\x18\x0f \x01(\t\x12\x1a\n\x12speculation_policy\x18\x10 \x01(\t\x12\x12\n\ndraft_kind\x18\x11 \x01(\t\x12\x1b\n\x13not_drafting_reason\x18\x12 \x01(\tB\x0f\n\r_eos_token_id*\xb6\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x32\xf5\x01\n\rTargetService\x12K\n\x08Generate\x12\x1d.specsplit.v1.GenerateRequest\x1a\x1e.specsplit.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.specsplit.v1.AbortRequest\x1a\x1b.specsplit.v1.AbortResponse\x12U\n\x0cGetModelInfo\x12!.specsplit.v1.GetModelInfoRequest\x1a\".specsplit.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specsplit.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1520
-  _globals['_FINISHREASON']._serialized_end=1702
+  _globals['_FINISHREASON']._serialized_start=1624
+  _globals['_FINISHREASON']._serialized_end=1806
   _globals['_GENERATEREQUEST']._serialized_start=73
   _globals['_GENERATEREQUEST']._serialized_end=467
   _globals['_TOKENIDS']._serialized_start=469
@@ -42,20 +42,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_end=538
   _globals['_CHATMESSAGES']._serialized_start=540
   _globals['_CHATMESSAGES']._serialized_end=599
-  _globals['_USAGE']._serialized_start=601
-  _globals['_USAGE']._serialized_end=718
-  _globals['_TOKENLOGPROB']._serialized_start=720
-  _globals['_TOKENLOGPROB']._serialized_end=814
-  _globals['_GENERATERESPONSE']._serialized_start=817
-  _globals['_GENERATERESPONSE']._serialized_end=1021
-  _globals['_ABORTREQUEST']._serialized_start=1023
-  _globals['_ABORTREQUEST']._serialized_end=1057
-  _globals['_ABORTRESPONSE']._serialized_start=1059
-  _globals['_ABORTRESPONSE']._serialized_end=1089
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1091
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1112
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1115
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1517
-  _globals['_TARGETSERVICE']._serialized_start=1705
-  _globals['_TARGETSERVICE']._serialized_end=1950
+  _globals['_USAGE']._serialized_start=602
+  _globals['_USAGE']._serialized_end=745
+  _globals['_TOKENLOGPROB']._serialized_start=747
+  _globals['_TOKENLOGPROB']._serialized_end=841
+  _globals['_GENERATERESPONSE']._serialized_start=844
+  _globals['_GENERATERESPONSE']._serialized_end=1048
+  _globals['_ABORTREQUEST']._serialized_start=1050
+  _globals['_ABORTREQUEST']._serialized_end=1084
+  _globals['_ABORTRESPONSE']._serialized_start=1086
+  _globals['_ABORTRESPONSE']._serialized_end=1116
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1118
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1139
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1142
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1621
+  _globals['_TARGETSERVICE']._serialized_start=1809
+  _globals['_TARGETSERVICE']._serialized_end=2054
 # @@protoc_insertion_point(module_scope)

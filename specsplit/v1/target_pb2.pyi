@@ -192,12 +192,17 @@ class Usage(_message.Message):
     DRAFTED_TOKENS_FIELD_NUMBER: _builtins.int
     ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     STEPS_FIELD_NUMBER: _builtins.int
+    SPECULATION_NOTE_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     output_tokens: _builtins.int
     drafted_tokens: _builtins.int
     accepted_tokens: _builtins.int
     steps: _builtins.int
     """Verification steps this request took part in."""
+    speculation_note: _builtins.str
+    """Why nothing was drafted for a request that allowed it (k > 0), e.g. "adaptive policy: draft cost
+    exceeds expected gain" or "draft not connected"; empty when it was drafted for.
+    """
     def __init__(
         self,
         *,
@@ -206,10 +211,11 @@ class Usage(_message.Message):
         drafted_tokens: _builtins.int = ...,
         accepted_tokens: _builtins.int = ...,
         steps: _builtins.int = ...,
+        speculation_note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_tokens", b"accepted_tokens", "drafted_tokens", b"drafted_tokens", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "steps", b"steps"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_tokens", b"accepted_tokens", "drafted_tokens", b"drafted_tokens", "output_tokens", b"output_tokens", "prompt_tokens", b"prompt_tokens", "speculation_note", b"speculation_note", "steps", b"steps"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -370,6 +376,9 @@ class GetModelInfoResponse(_message.Message):
     DRAFT_CONNECTED_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_ID_FIELD_NUMBER: _builtins.int
     DTYPE_FIELD_NUMBER: _builtins.int
+    SPECULATION_POLICY_FIELD_NUMBER: _builtins.int
+    DRAFT_KIND_FIELD_NUMBER: _builtins.int
+    NOT_DRAFTING_REASON_FIELD_NUMBER: _builtins.int
     target_model: _builtins.str
     draft_model: _builtins.str
     vocab_size: _builtins.int
@@ -387,6 +396,14 @@ class GetModelInfoResponse(_message.Message):
     eos_token_id: _builtins.int
     """Unset when the model defines no end-of-sequence token."""
     dtype: _builtins.str
+    speculation_policy: _builtins.str
+    """--speculation-policy: "fixed" (each request's k) or "adaptive"."""
+    draft_kind: _builtins.str
+    """Where the draft runs: "local" (inside the target process), "service" (draft services) or "none"."""
+    not_drafting_reason: _builtins.str
+    """Empty while the target drafts (or has served nothing yet); else why its last step did not, e.g.
+    "draft cost exceeds expected gain" (the adaptive policy) or "draft not connected".
+    """
     def __init__(
         self,
         *,
@@ -405,10 +422,13 @@ class GetModelInfoResponse(_message.Message):
         draft_connected: _builtins.bool = ...,
         eos_token_id: _builtins.int | None = ...,
         dtype: _builtins.str = ...,
+        speculation_policy: _builtins.str = ...,
+        draft_kind: _builtins.str = ...,
+        not_drafting_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "eos_token_id", b"eos_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "draft_connected", b"draft_connected", "draft_method", b"draft_method", "draft_model", b"draft_model", "draft_tp_size", b"draft_tp_size", "dtype", b"dtype", "eos_token_id", b"eos_token_id", "max_batch_size", b"max_batch_size", "max_context_length", b"max_context_length", "max_queued_requests", b"max_queued_requests", "max_speculative_tokens", b"max_speculative_tokens", "max_top_k", b"max_top_k", "num_speculative_tokens", b"num_speculative_tokens", "target_model", b"target_model", "target_tp_size", b"target_tp_size", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id", "draft_connected", b"draft_connected", "draft_kind", b"draft_kind", "draft_method", b"draft_method", "draft_model", b"draft_model", "draft_tp_size", b"draft_tp_size", "dtype", b"dtype", "eos_token_id", b"eos_token_id", "max_batch_size", b"max_batch_size", "max_context_length", b"max_context_length", "max_queued_requests", b"max_queued_requests", "max_speculative_tokens", b"max_speculative_tokens", "max_top_k", b"max_top_k", "not_drafting_reason", b"not_drafting_reason", "num_speculative_tokens", b"num_speculative_tokens", "speculation_policy", b"speculation_policy", "target_model", b"target_model", "target_tp_size", b"target_tp_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eos_token_id: _TypeAlias = _typing.Literal["eos_token_id"]  # noqa: Y015
     _WhichOneofArgType__eos_token_id: _TypeAlias = _typing.Literal["_eos_token_id", b"_eos_token_id"]  # noqa: Y015
