@@ -27,6 +27,7 @@ from common.lifecycle import freeze_startup_heap
 from common.metrics import start_metrics_server
 from common.service import LOADING, PendingServicer
 from common.settings import ServiceConfig
+from common.tls import CertificateWatcher
 
 log = logging.getLogger("specsplit")
 
@@ -129,11 +130,11 @@ class PendingAioServicer(PendingServicer):
         return call
 
 
-def _add_port(server: grpc.aio.Server, config: ServiceConfig) -> int:
+def _add_port(server: grpc.aio.Server, config: ServiceConfig, certificates: CertificateWatcher) -> int:
     """Plaintext, TLS or mTLS, as the sync servers bind (grpc.aio servers take the same calls)."""
     address = f"{config.host}:{config.port}"
     return add_port(server, address, config.tls_cert or None, config.tls_key or None,  # type: ignore[arg-type]
-                    config.tls_client_ca or None)  # fmt: skip
+                    config.tls_client_ca or None, certificates)  # fmt: skip
 
 
 class AioFront:
@@ -147,10 +148,12 @@ class AioFront:
         register: Callable[[grpc.aio.Server], None],
         metrics_port: int | None = None,
         local_socket: str = "",
+        certificates: CertificateWatcher | None = None,
     ):
         """Binds everything; raises ValueError naming the flag on bad TLS/token/port settings.
         `metrics_port`: /metrics is already served there (started before the model load).
-        `local_socket`: also serve plaintext on this Unix socket (in-process gateways: the HTTP API)."""
+        `local_socket`: also serve plaintext on this Unix socket (in-process gateways: the HTTP API).
+        `certificates`: the process's TLS files (reloaded when they change), else a watcher of its own."""
         self.service_name = service_name
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
@@ -165,7 +168,9 @@ class AioFront:
             health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
             names = [service_name, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
             reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-            port = _add_port(server, config)
+            port = _add_port(
+                server, config, certificates or CertificateWatcher(None, config.tls_reload_interval)
+            )
             if local_socket and not server.add_insecure_port(f"unix:{local_socket}"):
                 raise ValueError(f"cannot bind the local socket {local_socket}")
             return server, health_servicer, port

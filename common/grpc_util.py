@@ -5,11 +5,14 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+if TYPE_CHECKING:
+    from common.tls import CertificateWatcher
 
 # Long generations: keep idle streams alive, allow big prompts.
 SERVER_OPTIONS = [
@@ -95,19 +98,21 @@ def make_server(max_workers: int, auth_token_file: str | None) -> grpc.Server:
 
 
 def add_port(
-    server: grpc.Server, address: str, tls_cert: str | None, tls_key: str | None, tls_client_ca: str | None
+    server: grpc.Server,
+    address: str,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_client_ca: str | None,
+    certificates: CertificateWatcher,
 ) -> int:
-    """Binds plaintext, TLS, or mTLS (client CA given). Returns the bound port."""
+    """Binds plaintext, TLS, or mTLS (client CA given); TLS files are reloaded when they change
+    (`certificates`, common/tls.py). Returns the bound port."""
     if bool(tls_cert) != bool(tls_key):
         raise ValueError("--tls-cert and --tls-key must be given together")
     if tls_client_ca and not tls_cert:
         raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-    if tls_cert:
-        creds = grpc.ssl_server_credentials(
-            [(read_file(tls_key, "--tls-key"), read_file(tls_cert, "--tls-cert"))],
-            root_certificates=read_file(tls_client_ca, "--tls-client-ca") if tls_client_ca else None,
-            require_client_auth=bool(tls_client_ca),
-        )
+    if tls_cert and tls_key:
+        creds = certificates.server_credentials(tls_cert, tls_key, tls_client_ca)
         port = server.add_secure_port(address, creds)
     else:
         port = server.add_insecure_port(address)
@@ -131,13 +136,3 @@ def set_health(servicer: health.HealthServicer, service_names: Sequence[str], se
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *service_names):
         servicer.set(name, status)
-
-
-def channel_credentials(ca: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
-    if not (ca or cert):
-        return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=read_file(ca, "--draft-tls-ca") if ca else None,
-        private_key=read_file(key, "--draft-tls-key") if key else None,
-        certificate_chain=read_file(cert, "--draft-tls-cert") if cert else None,
-    )

@@ -16,11 +16,24 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    disable_created_metrics,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "specsplit_"
+
+# No `<name>_created` series beside every counter and histogram: one more series per child that no rule
+# or panel reads (the process start time is in process_start_time_seconds).
+disable_created_metrics()
 
 # Per-step latencies: a GPU verify step or TPOT can sit well under a millisecond, a CPU
 # demo step takes tens to hundreds of ms. 1-2-5 steps keep each bucket within 2.5x, so
@@ -330,6 +343,15 @@ METRICS = (
         "(e.g. the adaptive policy: draft cost exceeds expected gain); all 0 while it drafts.",
         labels=("reason",),
     ),
+    MetricSpec(
+        "_tls_expiry",
+        Gauge,
+        "tls_certificate_expiry_timestamp_seconds",
+        "Expiry (Unix time) of the certificate the service holds from a TLS flag (`certificate`: tls_cert, "
+        "tls_client_ca, draft_tls_cert, draft_tls_ca; a bundle's earliest); follows a renewal on disk "
+        "without a restart (common/tls.py).",
+        labels=("certificate",),
+    ),
 )
 
 
@@ -425,6 +447,10 @@ class ServiceMetrics:
         """
         if output_tokens >= 2:
             self.tpot.observe(decode_seconds / (output_tokens - 1))
+
+    def set_tls_expiry(self, flag: str, expiry: float) -> None:
+        """common.tls.ExpirySink: `flag` is the TLS flag (--tls-cert), the label its name (tls_cert)."""
+        self._child(self._tls_expiry, flag.lstrip("-").replace("-", "_")).set(expiry)
 
     def set_info(self, **facts: object) -> None:
         """Sets specsplit_service_info labels, e.g. tp_size=2, device="cuda", dtype="bfloat16"."""

@@ -26,6 +26,7 @@ from common.grpc_util import add_health_and_reflection, add_port, make_server, s
 from common.lifecycle import freeze_startup_heap, install_drain_handler, release_startup_heap
 from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_server
 from common.settings import ServiceConfig
+from common.tls import CertificateWatcher
 
 log = logging.getLogger("specsplit")
 LOADING = "the model is loading; retry when ready"  # UNAVAILABLE's details before the model is loaded
@@ -119,8 +120,9 @@ def open_front(
     server = make_server(config.grpc_workers, config.auth_token_file or None)
     register(pending, server)
     health_servicer = add_health_and_reflection(server, [service.full_name])
+    certificates = CertificateWatcher(metrics.set_tls_expiry, config.tls_reload_interval)
     port = add_port(server, f"{config.host}:{config.port}", config.tls_cert or None, config.tls_key or None,
-                    config.tls_client_ca or None)  # fmt: skip
+                    config.tls_client_ca or None, certificates)  # fmt: skip
     health_server, health_port = None, -1
     if config.health_port >= 0:
         health_server, health_port = _health_only_server(config, health_servicer)

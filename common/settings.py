@@ -135,6 +135,11 @@ class ServiceConfig:
     tls_cert: str = flag("", "server certificate (PEM) for TLS")
     tls_key: str = flag("", "server private key (PEM) for TLS")
     tls_client_ca: str = flag("", "CA (PEM) for client certificates: turns on mTLS")
+    tls_reload_interval: float = flag(
+        10.0,
+        "seconds between checks of the TLS files for a renewal (new connections also check at their "
+        "handshake); 0 = only at handshakes",
+    )
     log_format: str = flag("text", "log lines as text or JSON", ("text", "json"))
     log_level: str = flag("INFO", "logging level")
     switch_interval: float = flag(
@@ -150,6 +155,8 @@ class ServiceConfig:
             raise ValueError("--tp-size: must be >= 1")
         if not 1e-6 <= self.switch_interval <= 0.1:
             raise ValueError("--switch-interval: must be in [1e-6, 0.1] seconds")
+        if self.tls_reload_interval < 0:
+            raise ValueError("--tls-reload-interval: must be >= 0 seconds")
         if self.max_batch_size < 1:
             raise ValueError("--max-batch-size: must be >= 1")
         if self.max_context_length < 2:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import inspect
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -155,12 +157,20 @@ class TPExecutor:
         self.params = {n: list(inspect.signature(h).parameters) for n, h in handlers.items()}
         self._message = torch.zeros(_HEADER + _CAPACITY, dtype=torch.int64)
         self.control = None
+        # Steps may come from several threads (the draft's streams); the shutdown must not interleave
+        # with a step's broadcasts, and no step may follow it (the workers are gone).
+        self._lock = threading.Lock()
+        self._stopped = False
         if comm.world_size > 1:  # collective: every rank builds its executor in the same order
             cuda = comm.device.type == "cuda"
             self.control = torch.distributed.new_group(backend="gloo") if cuda else comm.group
 
     def run(self, name: str, **inputs: Any) -> Any:
-        if self.comm.world_size > 1:
+        if self.comm.world_size == 1:
+            return self.handlers[name](**inputs)
+        with self._lock:
+            if self._stopped:
+                raise RuntimeError(f"{name}: the TP group has shut down")
             params = self.params[name]
             payload = encode_inputs([inputs[p] for p in params]) if set(inputs) == set(params) else None
             if payload is None:
@@ -168,11 +178,15 @@ class TPExecutor:
                 self.comm.broadcast_object(inputs, src=0, site="step_broadcast")
             else:
                 self._send(_KIND_PACKED, self.names.index(name), payload)
-        return self.handlers[name](**inputs)
+            return self.handlers[name](**inputs)
 
     def shutdown(self) -> None:
+        """Tells the workers to exit, after the step in flight (if any); later `run` calls raise."""
         if self.comm.world_size > 1:
-            self._send(_KIND_SHUTDOWN, 0)
+            with self._lock:
+                if not self._stopped:
+                    self._stopped = True
+                    self._send(_KIND_SHUTDOWN, 0)
 
     def _broadcast(self, t: torch.Tensor) -> None:
         count_comm("broadcast", "step_broadcast", t.numel() * t.element_size())
@@ -226,6 +240,16 @@ def _leave_signals_to_rank0() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _exit_after_shutdown() -> None:
+    """A worker's end once rank 0 has sent the shutdown: exit 0 without the interpreter's teardown. Torn
+    down at interpreter exit, the gloo group's threads now and then abort the process (`terminate called
+    without an active exception`, exit code -6) after a clean stop; the worker holds nothing to save."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -243,16 +267,55 @@ def _worker_main(
     )
     executor = entry(comm, entry_arg)
     executor.serve_forever()
+    _exit_after_shutdown()
 
 
-def _exit_if_a_worker_dies(procs: list[mp.Process]) -> None:
-    """A dead rank would leave rank 0 blocked in a collective forever: fail fast and loud instead."""
-    while True:
-        for p in procs:
-            p.join(timeout=0.5)
-            if p.exitcode is not None:
-                log.error("TP worker %s exited with code %s; stopping", p.name, p.exitcode)
-                os._exit(3)
+class TPWorkers:
+    """The worker processes rank 0 spawned, and the watchdog that ends rank 0 if one of them dies.
+
+    A dead rank would leave rank 0 blocked in a collective forever, so until `stop` a worker's exit (any
+    code) ends the service at once with exit code 3 and a log line naming the rank. `stop` (after the
+    drain) tells the watchdog that the workers' exit is expected, sends them the shutdown and returns
+    non-zero if any of them fails to exit cleanly.
+    """
+
+    EXIT_CODE = 3
+
+    def __init__(self, procs: list[mp.Process]):
+        self.procs = procs
+        self._stopping = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
+        if procs:
+            self._watchdog.start()
+
+    def _watch(self) -> None:
+        # Waits on the sentinels (no reaping): only `stop` joins the processes, after this thread ended.
+        sentinels = {p.sentinel: p for p in self.procs}
+        while not self._stopping.is_set():
+            for sentinel in mp.connection.wait(list(sentinels), timeout=0.5):
+                if self._stopping.is_set():
+                    return
+                p = sentinels[sentinel]
+                p.join(timeout=5)  # the sentinel closes as the process exits, its status comes just after
+                log.error("TP worker %s exited with code %s; stopping the service", p.name, p.exitcode)
+                logging.shutdown()
+                os._exit(self.EXIT_CODE)
+
+    def stop(self, executor: TPExecutor, timeout: float = 10.0) -> int:
+        """Shuts the workers down; 0 if every one exited with 0 within `timeout`, else EXIT_CODE."""
+        self._stopping.set()
+        if self._watchdog.is_alive():
+            self._watchdog.join()
+        executor.shutdown()
+        failed = []
+        for p in self.procs:
+            p.join(timeout=timeout)
+            if p.exitcode != 0:
+                failed.append(f"{p.name} ({'still running' if p.exitcode is None else p.exitcode})")
+        if failed:
+            log.error("TP workers did not stop cleanly: %s", ", ".join(failed))
+            return self.EXIT_CODE
+        return 0
 
 
 def torchrun_rank() -> int:
@@ -264,8 +327,9 @@ def torchrun_rank() -> int:
 
 def launch_tp(
     world_size: int, device: str, entry: WorkerEntry, entry_arg: Any, backend: str | None = None
-) -> tuple[Comm, list[mp.Process]]:
-    """Join (torchrun) or create (spawn) the TP group. Returns rank 0's Comm.
+) -> tuple[Comm, TPWorkers]:
+    """Join (torchrun) or create (spawn) the TP group. Returns rank 0's Comm and the spawned workers (none
+    under torchrun, whose agent watches the ranks itself).
 
     Under torchrun every rank calls this; ranks > 0 never return (they serve and exit).
     """
@@ -278,10 +342,10 @@ def launch_tp(
         if rank != 0:
             _leave_signals_to_rank0()
             entry(comm, entry_arg).serve_forever()
-            raise SystemExit(0)
-        return comm, []
+            _exit_after_shutdown()
+        return comm, TPWorkers([])
     if world_size == 1:
-        return init_tp(1, 0, device=rank_device(device, 0)), []
+        return init_tp(1, 0, device=rank_device(device, 0)), TPWorkers([])
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     procs = []
@@ -294,8 +358,7 @@ def launch_tp(
         )
         p.start()
         procs.append(p)
-    watchdog = threading.Thread(target=_exit_if_a_worker_dies, args=(procs,), name="tp-watchdog", daemon=True)
-    watchdog.start()
+    workers = TPWorkers(procs)
     comm = init_tp(world_size, 0, backend=backend, init_method=init_method, device=rank_device(device, 0))
     log.info("tp group ready: %d ranks (%s)", world_size, init_method)
-    return comm, procs
+    return comm, workers

@@ -84,11 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         front.stop(grace=5)
 
     serve_until_drained(drain)
-    runner.executor.shutdown()
-    for w in workers:
-        w.join(timeout=10)
+    code = workers.stop(runner.executor)
     log.info("stopped")
-    return 0
+    return code
 
 
 if __name__ == "__main__":

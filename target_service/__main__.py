@@ -10,14 +10,12 @@ import time
 from typing import TYPE_CHECKING
 
 from common.aio_front import AioFront, PendingAioServicer
-from common.grpc_util import (
-    channel_credentials,
-    read_token,
-)
+from common.grpc_util import read_token
 from common.logs import setup_logging
 from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_server
 from common.service import HealthPort, model_label, serve_until_drained, service_metrics
 from common.settings import parse_config
+from common.tls import CertificateWatcher
 from common.tokenizer import load_tokenizer
 from common.tp_executor import launch_tp, torchrun_rank, tp_gpu_uuids
 from specsplit.v1 import target_pb2, target_pb2_grpc
@@ -91,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--metrics-port: %s", exc)
         return 2
     announce_metrics_port(metrics_port)
+    # Server and draft-link certificates, reloaded when cert-manager renews them (expiry on /metrics).
+    certificates = CertificateWatcher(metrics.set_tls_expiry, config.tls_reload_interval)
     # The gRPC port opens now, NOT_SERVING, each RPC UNAVAILABLE ("the model is loading") until loaded.
     pending = PendingAioServicer(SERVICE)
     local_socket = (
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             lambda server: target_pb2_grpc.add_TargetServiceServicer_to_server(pending, server),
             metrics_port=metrics_port,
             local_socket=local_socket,
+            certificates=certificates,
         )
         http = open_http(config, local_socket)
     except ValueError as exc:
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             link = LocalDraft(draft_config, metrics, mc.vocab_size, target_gpus, runner.feature_store)
         elif config.draft_address:
             token = read_token(config.draft_auth_token_file) if config.draft_auth_token_file else None
-            creds = channel_credentials(
+            creds = certificates.channel_credentials(
                 config.draft_tls_ca or None, config.draft_tls_cert or None, config.draft_tls_key or None
             )
             # Replicas are dialled by IP: under TLS, check the certificate against the name the flag gives.
@@ -212,11 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_until_drained(drain)
     if link is not None:
         link.close()
-    runner.executor.shutdown()
-    for w in workers:
-        w.join(timeout=10)
+    code = workers.stop(runner.executor)
     log.info("stopped")
-    return 0
+    return code
 
 
 if __name__ == "__main__":

@@ -173,7 +173,7 @@ class DraftLink(StreamLink):
         address: str,
         metrics: ServiceMetrics,
         target_vocab_size: int,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: Callable[[], grpc.ChannelCredentials] | None = None,
         token: str | None = None,
         server_name: str | None = None,
         backoff_max: float = 10.0,
@@ -203,8 +203,8 @@ class DraftLink(StreamLink):
         self.metrics.count_grpc_message("sent", "speculate_request", msg.ByteSize())
 
     def _channel(self) -> grpc.Channel:
-        if self.credentials is not None:
-            return grpc.secure_channel(self.address, self.credentials, options=self.options)
+        if self.credentials is not None:  # the current files: a renewed certificate from the next channel on
+            return grpc.secure_channel(self.address, self.credentials(), options=self.options)
         return grpc.insecure_channel(self.address, options=self.options)
 
     def _run(self) -> None:

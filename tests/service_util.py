@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -127,3 +128,35 @@ def speculative_equals_plain(address: str, ps: list[list[int]], concurrency: int
 def assert_same_tokens(spec: list[Result], plain: list[Result]) -> None:
     for i, (a, b) in enumerate(zip(spec, plain)):
         assert a.ids == b.ids, f"prompt {i}: speculative {a.ids} != plain {b.ids}"
+
+
+class Load:
+    """Greedy streams, one thread each, started at once: each collects its tokens and the status it ended
+    with (OK, or the RPC error's code)."""
+
+    def __init__(self, stub: target_pb2_grpc.TargetServiceStub, ps: list[list[int]], new_tokens: int):
+        self.new_tokens = new_tokens
+        self.tokens: list[list[int]] = [[] for _ in ps]
+        self.status: list[grpc.StatusCode | None] = [None] * len(ps)
+        self.first = [threading.Event() for _ in ps]
+        self.threads = [threading.Thread(target=self._run, args=(stub, i, p)) for i, p in enumerate(ps)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, stub: target_pb2_grpc.TargetServiceStub, i: int, ids: list[int]) -> None:
+        try:
+            for msg in stub.Generate(request(ids, max_new_tokens=self.new_tokens), timeout=120):
+                self.tokens[i] += msg.token_ids
+                self.first[i].set()
+            self.status[i] = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            self.status[i] = exc.code()
+        finally:
+            self.first[i].set()
+
+    def started(self) -> bool:
+        return all(e.is_set() for e in self.first)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(timeout=120)

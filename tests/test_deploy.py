@@ -84,8 +84,12 @@ def test_thresholds_cover_every_overlay_and_every_threshold_an_alert_reads():
     assert set(gen.THRESHOLDS) == {"cpu-dev", "gpu"}  # gpu-production inherits gpu's
     for overlay, values in gen.THRESHOLDS.items():
         assert set(values) == read, overlay
-    # TPOT: GPU decoding is 1-5 ms per token, the CPU demo 20-100 ms.
-    assert gen.THRESHOLDS["gpu"]["tpot_p99_seconds"] <= 0.05 < gen.THRESHOLDS["cpu-dev"]["tpot_p99_seconds"]
+    # Served TPOT (the alert fires at twice it): GPU decoding is 1-5 ms per token, the CPU demo 20-100 ms.
+    assert (
+        gen.THRESHOLDS["gpu"]["served_tpot_seconds"]
+        <= 0.01
+        < gen.THRESHOLDS["cpu-dev"]["served_tpot_seconds"]
+    )
 
 
 def test_error_ratio_rule_counts_exactly_the_server_error_codes():
@@ -141,6 +145,17 @@ def test_overlay_renders_and_validates_strict(overlay, tmp_path):
     if hpas:
         (tmp_path / "hpa.yaml").write_text(yaml.safe_dump_all(hpas))
         run(validate, "-k", K8S_VERSION, "--strict", "--quiet", str(tmp_path / "hpa.yaml"))
+
+
+def replica_counts(docs: list[dict]) -> list[dict[str, int]]:
+    """{deployment: replicas}: the manifests' counts, or KEDA's min and max where ScaledObjects own them."""
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d["spec"] for d in docs if d["kind"] == "ScaledObject"}
+    deployments = [d for d in docs if d["kind"] == "Deployment"]
+    if not scaled:
+        return [{d["metadata"]["name"]: d["spec"]["replicas"] for d in deployments}]
+    return [
+        {name: spec[key] for name, spec in scaled.items()} for key in ("minReplicaCount", "maxReplicaCount")
+    ]
 
 
 def configs_of(docs: list[dict]) -> dict[str, dict]:
@@ -211,11 +226,12 @@ def test_pods_are_restricted_probed_and_drain_in_time(overlay):
         term = affinity["podAffinityTerm"]
         assert term["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "specsplit-draft"}
         assert term["topologyKey"] == "kubernetes.io/hostname"
-        # Every request a target batches can hold a draft slot, also with every target busy at once.
-        replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in deployments}
+        # Every request a target batches can hold a draft slot, also with every target busy at once (at
+        # the fixed replica counts, or at both ends of the autoscaled range).
         draft_slots = int(configs["specsplit-draft-config"]["SPECSPLIT_MAX_BATCH_SIZE"])
         assert draft_slots >= target_batch
-        assert draft_slots * replicas["specsplit-draft"] >= target_batch * replicas["specsplit-target"]
+        for replicas in replica_counts(docs):
+            assert draft_slots * replicas["specsplit-draft"] >= target_batch * replicas["specsplit-target"]
     dashboard = next(
         d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "specsplit-dashboard"
     )
@@ -227,6 +243,104 @@ def test_pods_are_restricted_probed_and_drain_in_time(overlay):
     (thresholds,) = [d for d in docs if d["metadata"]["name"] == "specsplit-alert-thresholds"]
     rules = thresholds["spec"]["groups"][0]["rules"]
     assert rules and all(r["labels"]["namespace"] == namespace for r in rules)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rollout_scaling_and_disruption(overlay):
+    """KEDA alone sets replicas where it scales; each overlay names its rollout strategy and says why; the
+    target spreads over nodes; a drain keeps a target serving wherever there are two; scale-up adds
+    capacity within minutes."""
+    docs = render(overlay)
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    scaled = {d["spec"]["scaleTargetRef"]["name"]: d for d in docs if d["kind"] == "ScaledObject"}
+    rollout = (DEPLOY / "kubernetes/overlays" / overlay / "rollout.yaml").read_text()
+    assert re.search(r"^# Rollout: \S", rollout, re.M), "the strategy's reason, in a comment"
+    for name, dep in deployments.items():
+        assert ("replicas" in dep["spec"]) == (name not in scaled), name
+        strategy = dep["spec"]["strategy"]
+        assert strategy["type"] == "RollingUpdate" and set(strategy["rollingUpdate"]) == {
+            "maxSurge", "maxUnavailable"
+        }, name  # fmt: skip
+    pod = deployments["specsplit-target"]["spec"]["template"]["spec"]
+    (spread,) = pod["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["maxSkew"] == 1
+    assert spread["labelSelector"]["matchLabels"] == {"app.kubernetes.io/name": "specsplit-target"}
+    assert spread["whenUnsatisfiable"] == (
+        "DoNotSchedule" if overlay == "gpu-production" else "ScheduleAnyway"
+    )
+    pdbs = {d["metadata"]["name"]: d["spec"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    fewest = min(counts["specsplit-target"] for counts in replica_counts(docs))
+    if fewest >= 2:  # a drain may only evict a target while another one serves
+        assert pdbs["specsplit-target"].get("minAvailable") == 1, pdbs
+        assert "maxUnavailable" not in pdbs["specsplit-target"]
+    else:
+        assert overlay == "cpu-dev", "only the dev install runs a single target"
+    for obj in scaled.values():
+        up = obj["spec"]["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]["scaleUp"]
+        assert up["stabilizationWindowSeconds"] <= 120
+        assert any(
+            p["type"] == "Pods" and p["value"] >= 2 and p["periodSeconds"] <= 300 for p in up["policies"]
+        )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_guaranteed_qos_and_target_grpc_only_from_client_namespaces(overlay):
+    docs = render(overlay)
+    for doc in (d for d in docs if d["kind"] in ("Deployment", "Job")):
+        pod = doc["spec"]["template"]["spec"]
+        for c in [*pod["containers"], *pod.get("initContainers", [])]:
+            res = c["resources"]
+            for kind in ("cpu", "memory"):  # requests == limits in every container: Guaranteed QoS
+                assert str(res["requests"][kind]) == str(res["limits"][kind]), (
+                    doc["metadata"]["name"],
+                    c["name"],
+                )
+    (policy,) = [
+        d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "specsplit-target"
+    ]
+    client_rules = [r for r in policy["spec"]["ingress"] if {"port": "grpc"} in r.get("ports", [])]
+    (rule,) = client_rules
+    assert rule["ports"] == [{"port": "grpc"}, {"port": "http"}]
+    assert not [
+        r for r in policy["spec"]["ingress"] if {"port": "http"} in r.get("ports", []) and r is not rule
+    ]
+    selectors = rule["from"]
+    assert {"namespaceSelector": {"matchLabels": {"specsplit.io/client": "true"}}} in selectors
+    # Nothing else but this namespace's own pods (cpu-dev only); never every namespace.
+    assert all(s == {"podSelector": {}} for s in selectors[1:]) and (len(selectors) == 1) == (
+        overlay != "cpu-dev"
+    )
+
+
+def test_dashboard_legends_variables_and_schema():
+    gen = generator()
+    board = json.loads(gen.DASHBOARD_PATH.read_text())
+    assert board["schemaVersion"] >= 41
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert {"datasource", "namespace", "model", "role", "pod"} <= set(variables)
+    for name in ("model", "role", "pod"):  # each narrowed by the namespace picked
+        assert "$namespace" in variables[name]["query"], name
+    panels = list(board["panels"])
+    for panel in list(panels):
+        panels.extend(panel.get("panels", []))
+    graphs = [p for p in panels if p["type"] != "row"]
+    assert len(graphs) >= 27
+    for panel in graphs:
+        legend = panel["options"]["legend"]
+        assert legend["showLegend"] is True and legend["displayMode"] == "table", panel["title"]
+        assert {"lastNotNull", "mean"} <= set(legend["calcs"]), panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            for var in ("$namespace", "$pod", "$model"):
+                assert target["expr"].count(var) == target["expr"].count("{"), (
+                    panel["title"],
+                    var,
+                    target["expr"],
+                )
+    (tokens,) = [p for p in graphs if p["title"] == "Drafted and accepted tokens/s"]
+    exprs = [t["expr"] for t in tokens["targets"]]
+    assert len(exprs) == 2 and "rate(specsplit_spec_draft_tokens_total{" in exprs[0]
+    assert "rate(specsplit_spec_accepted_tokens_total{" in exprs[1] and "/" not in " ".join(exprs)
 
 
 def test_production_overlay_tls_probes_models_and_autoscaling():
@@ -246,6 +360,7 @@ def test_production_overlay_tls_probes_models_and_autoscaling():
         volume = next(v for v in pod["volumes"] if v["name"] == "tls")
         assert volume["secret"]["secretName"] == cert["spec"]["secretName"]
         mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")
+        assert "subPath" not in mount, "a subPath mount never sees a renewed certificate"
         config = configs[name + "-config"]
         tls_files = [v for k, v in config.items() if "TLS" in k and k != "SPECSPLIT_DRAFT_TLS_SERVER_NAME"]
         assert tls_files and all(f.startswith(mount["mountPath"] + "/") for f in tls_files), name

@@ -60,6 +60,7 @@ def exercised(service: str = "target") -> tuple[CollectorRegistry, ServiceMetric
     for gauge, v in zip(gauges, (2, 1, 2, 3, 8, 1), strict=True):
         gauge.set(v)
     m.set_info(tp_size=2, device="cpu", dtype="float32")
+    m.set_tls_expiry("--draft-tls-cert", 1_900_000_000.0)
     return registry, m, start_metrics_server(0, "127.0.0.1", registry)
 
 
@@ -98,7 +99,11 @@ def test_scrape_has_exact_values_and_labels():
     assert value("specsplit_time_per_output_token_seconds_bucket", le="0.02") == 1
     assert value("specsplit_time_per_output_token_seconds_bucket", le="0.01") == 0
     assert value("specsplit_service_info", tp_size="2", device="cpu", dtype="float32") == 1
+    expiry = "specsplit_tls_certificate_expiry_timestamp_seconds"
+    assert value(expiry, certificate="draft_tls_cert") == 1_900_000_000.0
     names = {name for name, _ in got}
+    # No `_created` series beside counters and histograms (disable_created_metrics).
+    assert not [n for n in names if n.endswith("_created")]
     assert all(n.startswith("specsplit_") and ":" not in n for n in names)
     # A scrape target label (service, pod, ...) in the exposition would become exported_<name>.
     exported_labels = {label for _, labels in got for label, _ in labels}

@@ -118,10 +118,18 @@ def sums(service: str, samples: Samples) -> dict[str, float]:
 def live(demo_models, tmp_path_factory) -> Live:
     need("prometheus")
     logs = tmp_path_factory.mktemp("live-logs")
-    draft = start_draft(demo_models.draft, logs, "--tp-size", str(DRAFT_TP))
+    from tests.conftest_sdk import make_certificates
+
+    # mTLS between target and draft, as gpu-production runs it: both export their certificates' expiry.
+    certs = make_certificates(logs)
+    draft_tls = ["--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key),
+                 "--tls-client-ca", str(certs.ca)]  # fmt: skip
+    link_tls = ["--draft-tls-ca", str(certs.ca), "--draft-tls-cert", str(certs.client_cert),
+                "--draft-tls-key", str(certs.client_key)]  # fmt: skip
+    draft = start_draft(demo_models.draft, logs, "--tp-size", str(DRAFT_TP), *draft_tls)
     target = None
     try:
-        target = start_target(demo_models.target, logs, draft, "--num-speculative-tokens", str(K))
+        target = start_target(demo_models.target, logs, draft, "--num-speculative-tokens", str(K), *link_tls)
         draft.wait_ready()
         target.wait_ready()
         # Warm-up: every (op, site) comm series is created by its first collective; make them all exist,
@@ -289,8 +297,6 @@ def alert_signals(expr: str) -> tuple[list[str], str | None]:
     10m:1m subqueries run at 1s resolution: this Prometheus has lived for well under ten minutes.
     """
     expr = " ".join(expr.split()).replace(":1m]", ":1s]")
-    if expr.startswith("absent("):
-        return [expr[len("absent(") : -1]], expr
     if " unless " in expr:
         left, right = expr.split(" unless on (namespace) ")
         return [left, right], expr
@@ -325,7 +331,13 @@ def test_every_dashboard_query_finds_data_and_its_legend_labels(live):
     panels = list(dashboard["panels"])
     for panel in list(panels):
         panels.extend(panel.get("panels", []))
-    variables = {"$model": ".*", "$role": ".*", "$__rate_interval": "1m"}
+    variables = {
+        "$namespace": NAMESPACE,
+        "$pod": ".*",
+        "$model": ".*",
+        "$role": ".*",
+        "$__rate_interval": "1m",
+    }
     checked = 0
     for panel in panels:
         for target in panel.get("targets", []):

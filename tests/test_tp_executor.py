@@ -56,6 +56,9 @@ def world(comm: Comm) -> dict:
         executor.run("prefill", **LONG_PREFILL)
         executor.run("control", options={"drain": True})  # not packable: the pickled path
         executor.shutdown()
+        executor.shutdown()  # a second shutdown sends nothing (the workers are gone)
+        with pytest.raises(RuntimeError, match="control: the TP group has shut down"):
+            executor.run("control", options={})
     else:
         executor.serve_forever()
         step_stats = None
