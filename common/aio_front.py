@@ -22,12 +22,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.grpc_util import SERVER_OPTIONS, add_port, allowed, denial, read_token
+from common.grpc_util import SERVER_OPTIONS, allowed, denial, read_token
 from common.lifecycle import freeze_startup_heap
 from common.metrics import start_metrics_server
 from common.service import LOADING, PendingServicer
 from common.settings import ServiceConfig
-from common.tls import CertificateWatcher
+from common.tls import CertificateWatcher, add_port
 
 log = logging.getLogger("specsplit")
 

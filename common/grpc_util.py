@@ -5,14 +5,11 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable, Sequence
 from concurrent import futures
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-
-if TYPE_CHECKING:
-    from common.tls import CertificateWatcher
 
 # Long generations: keep idle streams alive, allow big prompts.
 SERVER_OPTIONS = [
@@ -95,30 +92,6 @@ def make_server(max_workers: int, auth_token_file: str | None) -> grpc.Server:
         interceptors=interceptors,
         options=SERVER_OPTIONS,
     )
-
-
-def add_port(
-    server: grpc.Server,
-    address: str,
-    tls_cert: str | None,
-    tls_key: str | None,
-    tls_client_ca: str | None,
-    certificates: CertificateWatcher,
-) -> int:
-    """Binds plaintext, TLS, or mTLS (client CA given); TLS files are reloaded when they change
-    (`certificates`, common/tls.py). Returns the bound port."""
-    if bool(tls_cert) != bool(tls_key):
-        raise ValueError("--tls-cert and --tls-key must be given together")
-    if tls_client_ca and not tls_cert:
-        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-    if tls_cert and tls_key:
-        creds = certificates.server_credentials(tls_cert, tls_key, tls_client_ca)
-        port = server.add_secure_port(address, creds)
-    else:
-        port = server.add_insecure_port(address)
-    if port == 0:
-        raise ValueError(f"--port: cannot bind {address}")
-    return port
 
 
 def add_health_and_reflection(server: grpc.Server, service_names: Sequence[str]) -> health.HealthServicer:

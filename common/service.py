@@ -22,11 +22,11 @@ from grpc_health.v1 import health, health_pb2_grpc
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from common.distributed import comm_stats
-from common.grpc_util import add_health_and_reflection, add_port, make_server, set_health
+from common.grpc_util import add_health_and_reflection, make_server, set_health
 from common.lifecycle import freeze_startup_heap, install_drain_handler, release_startup_heap
 from common.metrics import ServiceMetrics, announce_metrics_port, start_metrics_server
 from common.settings import ServiceConfig
-from common.tls import CertificateWatcher
+from common.tls import CertificateWatcher, add_port
 
 log = logging.getLogger("specsplit")
 LOADING = "the model is loading; retry when ready"  # UNAVAILABLE's details before the model is loaded

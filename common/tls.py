@@ -185,3 +185,27 @@ class CertificateWatcher:
             )
 
         return current
+
+
+def add_port(
+    server: grpc.Server,
+    address: str,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_client_ca: str | None,
+    certificates: CertificateWatcher,
+) -> int:
+    """Binds plaintext, TLS, or mTLS (client CA given); TLS files are reloaded when they change
+    (`certificates`, common/tls.py). Returns the bound port."""
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("--tls-cert and --tls-key must be given together")
+    if tls_client_ca and not tls_cert:
+        raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+    if tls_cert and tls_key:
+        creds = certificates.server_credentials(tls_cert, tls_key, tls_client_ca)
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise ValueError(f"--port: cannot bind {address}")
+    return port
