@@ -95,12 +95,12 @@ def test_a_killed_rank_stops_the_service_non_zero_naming_the_rank(demo_models, t
 
 
 def test_sigterm_to_torchrun_under_load_drains_every_rank(demo_models, tmp_path):
-    """The LeaderWorkerSet example's path: torchrun starts the ranks and forwards SIGTERM to all of them.
-    Rank 0 drains, every stream ends OK with exact tokens, no rank fails. torchrun itself exits non-zero
-    after any signal (its agent re-raises it), so the drain is read from the ranks."""
+    """The LeaderWorkerSet example's path: torchrun starts the ranks (common/graceful_torchrun.py hands
+    SIGTERM to them, not to torchrun's agent, which would re-raise it). Rank 0 drains, every stream ends OK
+    with exact tokens, no rank fails, and the whole launch exits 0."""
     port, metrics_port = free_port(), free_port()
     log = tmp_path / "torchrun-target.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+    cmd = [sys.executable, "-m", "common.graceful_torchrun", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "-m", "target_service", "--model", str(demo_models.target), *TP2, *FAST,
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port)]  # fmt: skip
     with open(log, "wb") as out:
@@ -116,7 +116,7 @@ def test_sigterm_to_torchrun_under_load_drains_every_rank(demo_models, tmp_path)
         wait_for(load.started, 60, "every stream's first tokens")
         target.signal(signal.SIGTERM)
         load.join()
-        popen.wait(60)
+        assert popen.wait(60) == 0
         assert load.status == [grpc.StatusCode.OK] * len(ps)
         assert load.tokens == [r.ids for r in plain]
         text = target.log_text()
