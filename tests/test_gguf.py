@@ -27,7 +27,7 @@ from specsplit.demo import DEMO_DRAFT_LAYERS, smollm2_gguf
 from specsplit.v1 import sampling_pb2, target_pb2
 from target_service.detok import StreamDetokenizer
 from tests.service_util import generate_many, running, start_draft, start_target
-from tests.tiny import make_tiny_model
+from tests.tiny import make_tiny_model, write_tiny_gguf
 
 # Loads a 135M model three times (ours, transformers', the service's): minutes on a loaded 2-core box.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -305,23 +305,7 @@ def test_tiny_llama_gguf_round_trip_equals_safetensors(tmp_path):
         elif "k_proj" in name:
             t = permute_rows(t, cfg.num_key_value_heads)
         tensors[names.get_name(name, try_suffixes=(".weight", ".bias"))] = t.float().numpy()
-    path = tmp_path / "tiny.gguf"
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    for name, t in tensors.items():
-        w.add_tensor(name, t)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "llama", cfg, tensors)
     ours = load_model(path, init_tp(1, 0))
     assert ours.config.tie_word_embeddings == cfg.tie_word_embeddings
     for (name, a), (_, b) in zip(ref.state_dict().items(), ours.state_dict().items()):

@@ -22,9 +22,9 @@ from common.gguf import find_gguf, hf_shape, open_gguf
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.generate import forward_rows, greedy_generate
-from common.tiny import make_tiny_model
 from common.tokenizer import load_tokenizer
 from specsplit.catalog import MODEL_CACHE_ENV, fetch
+from tests.tiny import make_tiny_model, write_tiny_gguf
 
 CODER = "qwen2.5-coder-0.5b-instruct"
 CHAT = [{"role": "user", "content": "Write a Python function that reverses a string."}]
@@ -158,23 +158,9 @@ def test_tiny_qwen2_gguf_equals_its_safetensors(tmp_path):
     sd = load_file(str(src / "model.safetensors"))
     assert "model.layers.0.self_attn.q_proj.bias" in sd and "lm_head.weight" in sd
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, cfg.num_hidden_layers)
-    path = tmp_path / "tiny-qwen2.gguf"
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    for name, t in sd.items():  # stored as HF has them: NEOX rope needs no q/k permutation
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    # Stored as HF has them: NEOX rope needs no q/k permutation.
+    tensors = {names.get_name(n, try_suffixes=(".weight", ".bias")): t.float().numpy() for n, t in sd.items()}
+    path = write_tiny_gguf(tmp_path / "tiny-qwen2.gguf", "qwen2", cfg, tensors)
     ours = load_model(path, init_tp(1, 0))
     got = ours.config
     for field in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
