@@ -106,11 +106,11 @@ class SpeculationPolicy:
         return k
 
     def why_not(self, k: int, connected: bool) -> str:
-        """Why the step chose k (""), or nothing though its batch allowed drafts: the draft is not
-        connected, or the policy's reason (`off_reason`)."""
-        if k:
-            return ""
-        return NO_DRAFT if not connected and self.allowed_k else self.off_reason
+        """Why a step whose batch allowed drafts gets none: the draft is not connected (whatever k), or the
+        policy chose k = 0 (`off_reason`); "" when it drafts."""
+        if not connected and self.allowed_k:
+            return NO_DRAFT  # whatever k the policy chose: nothing can be drafted
+        return "" if k else self.off_reason
 
     def note(self, req: Request, reason: str) -> str:
         """A finished request's usage note: why nothing was drafted for it though it allowed drafts."""
