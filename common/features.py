@@ -4,8 +4,8 @@ A feature draft (common/models/feature_draft.py) reads, for position p, the targ
 entering a few of its layers at position p - 1, side by side: F = len(layers) * hidden values. The target
 writes them in every forward (prefill, plain step, verify) into a `FeatureStore` indexed like its KV
 cache, [slot, position]; positions of rejected drafts are overwritten by later forwards as their KV is.
-The draft keeps a store of its own, filled from the target's: over the Speculate stream as bf16 bytes
-(`to_wire` / `from_wire`, one row per committed token) or, in the target's process, by a device copy.
+A draft service keeps a store of its own, filled over the Speculate stream with bf16 bytes (`to_wire` /
+`from_wire`, one row per committed token); in the target's process the draft reads the target's store.
 Nothing is sent for plain steps: the next ask carries every row the draft lacks (lazy catch-up).
 """
 

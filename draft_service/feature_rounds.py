@@ -27,23 +27,20 @@ class FeatureRounds(GreedyRounds):
         model = runner.model
         # A verdict appends up to k + 1 tokens; longer catch-ups (starts, after plain steps) run first.
         self.widths = tuple(range(1, runner.config.max_speculative_tokens + 2))
-        self.features = FeatureStore(
-            model.config.feature_layers,
-            model.config.hidden_size,
-            runner.cache.num_slots,
-            runner.max_len,
-            model.model.embed_tokens.weight.dtype,
-            runner.device,
-        )
-        # Draft slot -> the store's slot of its features: itself for the draft's own store; the target's
-        # slot of the request when the rounds read the target's store (`read_target_store`).
+        layers = model.config.feature_layers
+        # Draft slot -> the store's slot of its features: itself for the draft's own store; the request's
+        # target slot when the rounds read the target's store (`map_slot`; 0, a valid row, until then).
         self.slot_map = torch.arange(runner.cache.num_slots, device=runner.device)
-        if target_store is not None:
-            if target_store.layers != self.features.layers or target_store.size != self.features.size:
-                raise ValueError(f"the target captures features of layers {list(target_store.layers)}, the "
-                                 f"draft reads {list(self.features.layers)}")  # fmt: skip
+        if target_store is None:
+            dtype = model.model.embed_tokens.weight.dtype
+            self.features = FeatureStore(layers, model.config.hidden_size, runner.cache.num_slots,
+                                         runner.max_len, dtype, runner.device)  # fmt: skip
+        elif target_store.layers != tuple(layers) or target_store.size != model.config.feature_size:
+            raise ValueError(f"the target captures features of layers {list(target_store.layers)}, the "
+                             f"draft reads {list(layers)}")  # fmt: skip
+        else:
             self.features = target_store
-            self.slot_map.zero_()  # any valid row for padding slots until a request maps its own
+            self.slot_map.zero_()
 
     def map_slot(self, slot: int, store_slot: int) -> None:
         self.slot_map[slot] = store_slot

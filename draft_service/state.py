@@ -59,7 +59,7 @@ class DraftRequest:
     # A round launched from the target's verify output before its verdict arrived (DraftState.chain):
     # (the round, this request's row in it, committed length at launch, drafted KV past it at launch).
     chained: tuple[ChainedRound, int, int, int] | None = None
-    target_slot: int = -1  # in the target's process: its slot, whose features the draft copies
+    target_slot: int = -1  # in the target's process: its slot, whose features the draft reads in place
 
 
 def common_prefix(a: list[int], b: list[int], known: int = 0) -> int:

@@ -56,7 +56,7 @@ class SharedDraft:
         self.engine_lock = threading.Lock()  # one model, many target streams
         self.streams = 0
         self.max_target_id = -1
-        # In the target's process (target_service/draft_local.py): its FeatureStore, read on the device.
+        # In the target's process (target_service/draft_local.py): its FeatureStore, read in place.
         self.target_features = None
 
     def update_gauges(self) -> None:

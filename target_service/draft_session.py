@@ -232,7 +232,8 @@ class DraftSession:
 
     def _attach_features(self, rows: list) -> None:
         """Each (start or verdict, slot, first, end) gets the features of positions first..end - 1: in this
-        process the slot (the draft copies on the device), else bf16 bytes from one device gather."""
+        process the slot (the draft reads the target's store in place), else bf16 bytes: views of the store
+        joined by one copy, read back once."""
         if self.draft_in_process:
             for part, slot, _, _ in rows:
                 if isinstance(part, draft_pb2.DraftRequestStart):

@@ -38,9 +38,10 @@ REFRESH_AGE_MAX = 512
 # fewer than that left stays plain: the draft's catch-up on every token since would cost more than the
 # last few steps win back. Requests that have barely started are exempt (their prompt costs the same).
 SWITCH_ON_MIN_LEFT = 32
-# A batch whose drafts promise less than MIN_GAIN more tokens per step at every k runs plain without any
-# try of speculation (no timing, refresh or gate window): no verify wider than one position costs that
-# little. One step in REPROBE_EVERY of such steps still speculates, so a draft that improves is seen.
+# While the service's acceptance promises less than MIN_GAIN more tokens per step at every k, steps run
+# plain without any try of speculation (no timing, refresh or gate window): no verify wider than one
+# position costs that little. One step in REPROBE_EVERY of such steps still speculates, so a draft that
+# improves is seen.
 MIN_GAIN, REPROBE_EVERY = 0.02, 1024
 NO_DRAFT = "draft not connected"  # why a target with a draft drafts nothing while its link is down
 # Why a step the batch allowed to speculate did not (policy.off_reason; GetModelInfo, the metrics, usage).
@@ -130,8 +131,8 @@ class SpeculationPolicy:
         self.gated = False  # the step this chooses for is one of the gate's (observe_step)
         if self.mode == FIXED or max_k == 0:
             return max_k
-        tokens = self.batch_tokens(batch, max_k)
-        if tokens[max_k] < (1 + MIN_GAIN) * tokens[0]:
+        # O(1) on the service's acceptance, before any per-request pass: a plain step's host time.
+        if expected_tokens(self.prior_alpha, max_k) < 1 + MIN_GAIN:
             self.hopeless_steps += 1
             if self.hopeless_steps % REPROBE_EVERY:
                 self.off_reason = LOW_ACCEPTANCE
@@ -141,12 +142,12 @@ class SpeculationPolicy:
         if self.gate is not None and self.gate.mode(len(batch)) is False:
             self.gated = True  # off for this window: no estimate needed (a plain step's host time) ...
             if self.gate.unmeasured(len(batch)):  # ... but in plain's first windows the model may end them
-                goodput = self._goodput(batch, tokens)
+                goodput = self._goodput(batch, max_k)
                 if isinstance(goodput, list):
                     self._tell_gate(len(batch), goodput, self._best_on(goodput))
             self.off_reason = COST_ESTIMATED if self.gate.unmeasured(len(batch)) else COST_MEASURED
             return 0
-        goodput = self._goodput(batch, tokens)
+        goodput = self._goodput(batch, max_k)
         if isinstance(goodput, int):
             return goodput  # no verify cost measured at or below this width for this batch: measure it
         best_k = max(range(max_k + 1), key=goodput.__getitem__)
@@ -165,11 +166,12 @@ class SpeculationPolicy:
             return 0
         return self._refresh(len(batch), best_k, goodput)
 
-    def _goodput(self, batch: Sequence[Request], tokens: list[float]) -> list[float] | int:
-        """Expected output tokens per second of a step at each k in 0..max_k (tokens: `batch_tokens`), or
-        the first k with no cost to estimate it from."""
+    def _goodput(self, batch: Sequence[Request], max_k: int) -> list[float] | int:
+        """Expected output tokens per second of a step at each k in 0..max_k, or the first k with no
+        cost to estimate it from."""
+        tokens = self.batch_tokens(batch, max_k)
         goodput = []
-        for k in range(len(tokens)):
+        for k in range(max_k + 1):
             seconds = self.costs.step_seconds(len(batch), k)
             if seconds is None:
                 return k
