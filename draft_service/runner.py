@@ -28,9 +28,9 @@ from common.loader import load_service_model
 from common.tp_executor import TPExecutor
 from draft_service.config import DraftConfig
 from draft_service.feature_rounds import FeatureRounds
-from draft_service.rounds import ChainedRound, GreedyRounds, RoundOutput
+from draft_service.rounds import GreedyRounds, RoundOutput
 
-__all__ = ["ChainedRound", "DraftRunner", "GreedyRounds", "RoundOutput", "tp_worker"]
+__all__ = ["DraftRunner", "tp_worker"]
 
 log = logging.getLogger("specsplit.draft")
 

@@ -29,7 +29,8 @@ from common.service import model_label, service_metrics
 from common.settings import parse_config
 from common.tp_executor import rank_device, tp_gpu_uuids
 from draft_service.config import DraftConfig
-from draft_service.runner import ChainedRound, DraftRunner
+from draft_service.rounds import ChainedRound
+from draft_service.runner import DraftRunner
 from draft_service.server import DraftServicer
 from draft_service.state import DraftState
 from draft_service.stream import DraftStream
