@@ -12,6 +12,8 @@
 #   bench/device.sh feature-train                 drafts/smollm2-135m-instruct-feature/train.sh (after transfer)
 #   bench/device.sh feature [DRAFT]               SmolLM2 + a feature draft in the target, bench-serve
 #                                                 (CONFIGS="plain never" BATCHES="16 64": a subset)
+#   bench/device.sh profile-feature               what a feature draft's step costs, on random weights of
+#                                                 real shapes (PRESETS="smollm2 qwen1.5b")
 #
 # What the machine needs from here (the device tool's `carry`):
 #   .whl/   wheels the GPU image lacks, installed into $SITE when their module is missing there:
@@ -35,7 +37,7 @@ export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_ME
 mkdir -p "$OUT"
 
 usage() {
-  sed -n '2,14p' "$0" | cut -c3-
+  sed -n '2,16p' "$0" | cut -c3-
   exit 2
 }
 
@@ -229,11 +231,80 @@ for cfg in ("adaptive", "fixed", "never"):
 PY
 }
 
+# Where a feature draft's speculative step goes, on random weights (bench/synthetic_feature.py): a target
+# with no draft and one with the feature draft inside it at fixed k = 4, at 1 and 16 streams, each with its
+# step trace and both services' metrics scraped after the run; then steps of the 1-stream run under
+# torch.profiler (--profile-dir). Acceptance is about zero: cost only, not speedup.
+profile-feature() {
+  local r=/tmp/profile-feature preset
+  for preset in ${PRESETS:-smollm2 qwen1.5b}; do
+    local d=$r/$preset
+    rm -rf "$d" && $PY bench/synthetic_feature.py "$d" --preset "$preset" --dtype "${DTYPE:-bfloat16}" || return 1
+    local common=(--model "$d/target" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --max-batch-size 64)
+    $PY -m target_service "${common[@]}" --port 50071 --metrics-port 9471 --step-trace "$d/plain-steps.jsonl" \
+      > "$d/plain.log" 2>&1 &
+    local p1=$!
+    $PY -m target_service "${common[@]}" --port 50072 --metrics-port 9472 --step-trace "$d/spec-steps.jsonl" \
+      --draft-local "--model $d/draft --metrics-port 9473" --speculation-policy fixed --num-speculative-tokens 4 \
+      --profile-dir "$d/prof" --profile-steps 300,100 > "$d/spec.log" 2>&1 &
+    local p2=$!
+    for port in 50071 50072; do
+      for _ in $(seq 300); do $PY -m specsplit.cli health --target "localhost:$port" >/dev/null 2>&1 && break; sleep 1; done
+    done
+    for b in 1 16; do for cfg in plain spec; do
+      local port=50071
+      [[ $cfg == spec ]] && port=50072
+      $PY -m specsplit.cli bench-serve --target "localhost:$port" --num-prompts $((b == 1 ? 6 : 48)) \
+        --max-concurrency $b --input-len 64 --output-len 256 --no-progress \
+        --result-json "$d/$cfg-b$b.json" > /dev/null 2>&1
+    done; done
+    for port in 9471 9472 9473; do
+      $PY -c 'import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+        "http://localhost:$port/metrics" | grep -v '^#' | grep 'seconds_sum\|seconds_count\|tokens_total' \
+        > "$d/metrics-$port.txt"
+    done
+    kill $p1 $p2 2>/dev/null
+    wait $p1 $p2 2>/dev/null
+    $PY - "$d" "$preset" <<'PY' | tee -a "$OUT/profile-feature.txt"
+import json, statistics, sys
+d, preset = sys.argv[1:]
+def steps(name):
+    return [json.loads(l) for l in open(f"{d}/{name}-steps.jsonl")]
+print(f"== {preset}")
+for cfg in ("plain", "spec"):
+    rows = steps(cfg)
+    for b in (1, 16):
+        sel = [r for r in rows if r["B"] == b]
+        if not sel:
+            continue
+        ph = {k: round(statistics.median(r[k] for r in sel), 3) for k in ("gap", "plan", "propose", "verify", "commit")}
+        tok = sum(r["tok"] for r in sel) / len(sel)
+        print(cfg, f"B={b}", "steps", len(sel), "tok/step", round(tok, 2), "median ms", ph)
+    for b in (1, 16):
+        j = json.load(open(f"{d}/{cfg}-b{b}.json"))
+        print(cfg, f"B={b}", "tok/s", round(j["output_throughput"], 1), "tpot ms", j["tpot_ms"])
+for port in (9472, 9473):
+    sums = {}
+    for line in open(f"{d}/metrics-{port}.txt"):
+        name, value = line.rsplit(" ", 1)
+        sums[name] = float(value)
+    for name in sorted(sums):
+        if "seconds_sum" in name:
+            n = sums.get(name.replace("_sum", "_count"), 0)
+            if n:
+                print(port, name.replace("_sum", ""), "mean ms", round(1e3 * sums[name] / n, 4), "n", int(n))
+print(open(f"{d}/prof/summary.json").read().strip())
+PY
+    cp "$d/prof/kernels.txt" "$OUT/kernels-$preset.txt" 2>/dev/null
+    tar czf "$OUT/profile-$preset.tgz" -C "$d" prof plain-steps.jsonl spec-steps.jsonl plain.log spec.log
+  done
+}
+
 verb=${1:-}
 shift || true
 case $verb in
   transfer) transfer ;;
-  e2e | real | kernels | profile | tests | sweep | train | feature-train | feature)
+  e2e | real | kernels | profile | tests | sweep | train | feature-train | feature | profile-feature)
     install_wheels || exit 5
     "$verb" "$@"
     ;;

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.settings import ServiceConfig, flag
+from target_service.step_profile import parse_window
 
 
 @dataclass
@@ -72,6 +73,12 @@ class TargetConfig(ServiceConfig):
         "append one JSON line per step to this file (target_service/step_trace.py: batch, width, k, "
         "tokens, phase times; for finding where a serving loop's time goes); empty = off",
     )
+    profile_dir: str = flag(
+        "",
+        "torch.profiler over --profile-steps serving steps into this folder (target_service/step_profile.py: "
+        "a timeline, device time per kernel, device-busy over wall); empty = off",
+    )
+    profile_steps: str = flag("200,100", "FIRST,COUNT: the steps --profile-dir profiles")
     draft_tls_ca: str = flag("", "CA (PEM) to verify the draft service: turns on TLS to the draft")
     draft_tls_cert: str = flag("", "client certificate (PEM) for mTLS to the draft")
     draft_tls_key: str = flag("", "client key (PEM) for mTLS to the draft")
@@ -96,5 +103,7 @@ class TargetConfig(ServiceConfig):
             raise ValueError("--draft-local: give either --draft-local or --draft-address, not both")
         if self.draft_local and self.tp_size != 1:
             raise ValueError("--draft-local: needs --tp-size 1 (run a draft service beside a TP target)")
+        if self.profile_dir:
+            parse_window(self.profile_steps)
         if self.draft_timeout <= 0:
             raise ValueError("--draft-timeout: must be > 0")

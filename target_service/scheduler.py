@@ -28,6 +28,7 @@ from target_service.logprobs import add_pending_logprobs
 from target_service.request import FINISH, Request, Status, check_stop
 from target_service.runner import StepRow, TargetRunner
 from target_service.step_accounting import StepAccounting, StepReport
+from target_service.step_profile import StepProfile
 from target_service.streamer import Streamer
 
 __all__ = ["NotAccepting", "QueueFull", "Request", "Scheduler", "checked_proposal"]
@@ -63,6 +64,7 @@ class Scheduler:
             config, runner.batch_buckets, runner.step_costs, self.session, metrics
         )
         self.policy, self.costs, self.trace = acc.policy, acc.costs, acc.trace
+        self.profile = StepProfile(config.profile_dir, config.profile_steps) if config.profile_dir else None
         self.policy_errors = 0  # exceptions the policy, gates or accounting raised (_safely)
         self.slots = SlotTable(config.max_batch_size)
         self.waiting: collections.deque[Request] = collections.deque()
@@ -134,6 +136,8 @@ class Scheduler:
         self.streamer.stop()
         if self.trace is not None:
             self.trace.close()
+        if self.profile is not None:
+            self.profile.finish()
 
     # -- the loop ----------------------------------------------------------------
     def _loop(self) -> None:
@@ -205,6 +209,8 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------
     def _step(self) -> None:
+        if self.profile is not None:
+            self.profile.step()
         t0 = time.perf_counter()
         batch = list(self.running)
         covered = self.session.covered()

@@ -11,6 +11,8 @@ features each get a clear answer.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import grpc
@@ -166,8 +168,10 @@ def test_feature_draft_at_tp2_keeps_local_argmax_and_the_replicated_markov_head(
 @pytest.mark.slow
 def test_feature_draft_in_the_target_is_lossless_and_chained(pair) -> None:
     target_dir, draft_dir, log_dir = pair
+    profile = log_dir / "profile"
     target = start_target(target_dir, log_dir, None, "--draft-local", f"--model {draft_dir} --metrics-port 0",
-                          "--speculation-policy", "fixed", name="target-local").wait_ready()  # fmt: skip
+                          "--speculation-policy", "fixed", "--profile-dir", str(profile), "--profile-steps",
+                          "3,5", name="target-local").wait_ready()  # fmt: skip
     with running(target):
         spec, _ = speculative_equals_plain(
             target.address, prompts_for(target_dir, 4), 2, k=4, max_new_tokens=32
@@ -176,6 +180,10 @@ def test_feature_draft_in_the_target_is_lossless_and_chained(pair) -> None:
     assert sum(r.usage.drafted_tokens for r in spec) > 0
     assert sum(r.usage.accepted_tokens for r in spec) > 0
     assert "feature draft: no branches and no draft-ahead" in log
+    # --profile-dir: steps 3..7 of the serving loop, profiled (the verify's ops are the scheduler thread's).
+    assert json.loads((profile / "summary.json").read_text())["steps"] == 5
+    assert "aten::" in (profile / "kernels.txt").read_text()
+    assert json.loads((profile / "trace.json").read_text())["traceEvents"]
 
 
 @pytest.mark.slow
