@@ -4,7 +4,7 @@ Training prompts are task templates crossed with topics (36 x 173), code jobs cr
 and hand-written code and chat prompts: 6411 in all, varied, and many from few lines; the
 held-out prompts are written separately, on topics that no training prompt names, so acceptance
 measured on them is not measured on text the draft was trained to imitate. A coding set (PROMPT_SETS
-["coding"]: code jobs, programming topics, and 72 held-out coding prompts) serves a coding target.
+["coding"]: code jobs, programming topics, and 71 held-out coding prompts) serves a coding target.
 """
 
 from __future__ import annotations
