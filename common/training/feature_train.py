@@ -30,23 +30,37 @@ DECAY = 0.8  # weight of unrolled step j's loss: DECAY**j (EAGLE-3's)
 
 
 def build_feature_draft(
-    target: Transformer, layers: tuple[int, ...], markov_rank: int, seed: int, device="cpu"
+    target: Transformer,
+    layers: tuple[int, ...],
+    markov_rank: int,
+    seed: int,
+    device="cpu",
+    intermediate_size: int | None = None,
+    sample_ids: Tensor | None = None,
 ) -> FeatureDraft:
     """A float32 feature draft for `target`, reading the streams entering `layers`. Its layer starts as the
     target's last one reading only the fused stream, and fc as the pick of the highest captured stream:
-    before training it continues the target from that layer on, with one layer."""
+    before training it continues the target from that layer on, with one layer. With `intermediate_size`
+    below the target's, the MLP keeps that many of the last layer's channels, those contributing most
+    (mlp_channels; on `sample_ids` when given)."""
     num = target.config.num_hidden_layers
     if not layers or any(not 0 <= i < num for i in layers):
         raise ValueError(f"--feature-layers: {list(layers)} must be layers of the target (0..{num - 1})")
+    full = target.config.intermediate_size
+    inter = full if intermediate_size is None else intermediate_size
+    if not 0 < inter <= full:
+        raise ValueError(f"--draft-intermediate-size: {inter} must be in 1..{full} (the target's)")
     cfg = dataclasses.replace(
         target.config,
         num_hidden_layers=1,
+        intermediate_size=inter,
         feature_layers=tuple(layers),
         markov_rank=markov_rank,
         name="draft",
     )
     draft = FeatureDraft(cfg, Comm(), dtype=torch.float32, device=device)
     src = dict(target.named_parameters())
+    channels = mlp_channels(target, inter, sample_ids) if inter < full else None
     hidden = cfg.hidden_size
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -65,12 +79,45 @@ def build_feature_draft(
                     param.copy_(torch.randn(param.shape, generator=gen) / markov_rank**0.5)
                 else:
                     param.zero_()  # an untrained head adds nothing
+            elif channels is not None and name.endswith("mlp.gate_up_proj.weight"):
+                gate, up = src[last].split(full)
+                param.copy_(torch.cat([gate[channels.to(gate.device)], up[channels.to(up.device)]]))
+            elif channels is not None and name.endswith("mlp.down_proj.weight"):
+                param.copy_(src[last][:, channels.to(src[last].device)])
             elif last in src:
                 param.copy_(src[last])
             else:
                 param.copy_(src[name])
             param.requires_grad_(not name.startswith(("model.embed_tokens.", "lm_head.")))
     return draft
+
+
+@torch.no_grad()
+def mlp_channels(target: Transformer, keep: int, sample_ids: Tensor | None = None) -> Tensor:
+    """The `keep` channels of the target's last MLP that contribute most to its output, in channel order.
+    Channel j adds act_j * down[:, j] (act_j = silu(gate_j . x) * (up_j . x)); its score is
+    mean |act_j| * |down[:, j]| over the last layer's MLP inputs x on `sample_ids` [B, L] (a full target
+    forward), or without samples |gate_j| * |up_j| * |down[:, j]| (weight norms only)."""
+    mlp = target.model.layers[-1].mlp
+    full = target.config.intermediate_size
+    gate, up = mlp.gate_up_proj.weight.float().split(full)
+    down = mlp.down_proj.weight.float()
+    if sample_ids is None:
+        score = gate.norm(dim=1) * up.norm(dim=1) * down.norm(dim=0)
+    else:
+        seen: list[Tensor] = []
+        hook = mlp.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach()))
+        try:
+            bsz, width = sample_ids.shape
+            cache = KVCache.for_model(target, bsz, width)
+            positions = torch.arange(width, device=sample_ids.device).expand(bsz, width)
+            target(sample_ids, positions, torch.arange(bsz, device=sample_ids.device), cache, width)
+        finally:
+            hook.remove()
+        x = seen[0].reshape(-1, seen[0].shape[-1]).float()
+        act = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)
+        score = act.abs().mean(0) * down.norm(dim=0)
+    return score.topk(keep).indices.sort().values.cpu()
 
 
 @torch.no_grad()

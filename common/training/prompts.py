@@ -3,14 +3,18 @@
 Training prompts are task templates crossed with topics (36 x 173), code jobs crossed with languages,
 and hand-written code and chat prompts: 6411 in all, varied, and many from few lines; the
 held-out prompts are written separately, on topics that no training prompt names, so acceptance
-measured on them is not measured on text the draft was trained to imitate.
+measured on them is not measured on text the draft was trained to imitate. A coding set (PROMPT_SETS
+["coding"]: code jobs, programming topics, and 71 held-out coding prompts) serves a coding target.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import random
 import re
+from collections.abc import Callable
 
 TOPICS = [
     # science and nature
@@ -422,3 +426,245 @@ SELF_INSTRUCT_FORMS = [
     "Write a numbered list of five questions about how everyday things work.",
     "Write a numbered list of five programming questions that beginners often ask.",
 ]
+
+
+# ------------------------------------------------------------------------------------------- coding set
+# A coding target's prompts (`--prompt-set coding`): code jobs in several languages, programming topics
+# in task templates, the code and chat-about-code prompts above; held out, coding prompts on subjects no
+# coding training prompt names (HELD_OUT_CODING_SUBJECTS, checked by tests/test_prompts.py).
+CODING_LANGUAGES = ["Python", "JavaScript", "TypeScript", "C", "C++", "Go", "Rust", "Java"]
+
+CODING_JOBS = [
+    *CODE_JOBS,
+    "counts how often each character appears in a string",
+    "checks whether two strings are equal ignoring case",
+    "returns the last n items of a list",
+    "splits a list into chunks of size n",
+    "computes the power of a number",
+    "converts a binary string to an integer",
+    "checks whether a list is sorted",
+    "reads a text file and counts its lines",
+    "returns the index of an item in a list",
+    "zips two lists into pairs",
+    "computes the median of a list",
+    "validates that a string contains only digits",
+    "joins a list of strings with commas",
+    "finds the common elements of two lists",
+    "generates all subsets of a set",
+    "computes the dot product of two vectors",
+    "converts a number to its binary representation",
+    "pads a string to a given width",
+    "truncates a string to n characters",
+    "swaps two variables",
+    "clamps a number to a range",
+    "computes the distance between two points",
+    "checks whether a string starts with a prefix",
+    "counts the occurrences of a value in a list",
+    "returns the minimum and maximum of a list",
+    "filters the even numbers from a list",
+    "parses a date string",
+    "generates a random password",
+    "implements a queue with two stacks",
+    "checks whether a number is a perfect square",
+]
+
+CODING_TOPICS = [
+    "linked lists", "hash tables", "binary trees", "stacks", "recursion", "closures", "pointers",
+    "string formatting", "exceptions", "unit testing", "file input and output", "regular expressions",
+    "sorting algorithms", "dynamic arrays", "classes and objects", "inheritance", "interfaces", "generics",
+    "lambda functions", "higher-order functions", "immutability", "type annotations", "modules and imports",
+    "package managers", "virtual environments", "command-line arguments", "environment variables",
+    "logging", "debugging", "code reviews", "version control", "branching in git", "pull requests",
+    "continuous integration", "REST APIs", "HTTP status codes", "JSON parsing", "YAML configuration",
+    "SQL joins", "database transactions", "ORMs", "threads", "processes", "event loops", "callbacks",
+    "promises", "garbage collection", "memory leaks", "integer overflow", "floating point numbers",
+    "bitwise operators", "string encoding", "date parsing", "random number generation", "graphs",
+    "breadth-first search", "depth-first search", "binary search", "big O notation", "design patterns",
+    "the singleton pattern", "dependency injection", "caching", "profiling", "code documentation",
+    "HTML forms", "CSS flexbox", "the DOM", "web servers", "shell scripting", "Docker containers", "linting",
+]  # fmt: skip
+
+CODING_TASKS = [
+    "Explain {t} in {lang} with a short example.",
+    "Write a short {lang} example that demonstrates {t}.",
+    "What are common mistakes with {t} in {lang}?",
+    "How do I use {t} in {lang}? Show code.",
+    "Write a beginner's tutorial on {t} in {lang}.",
+    "What are best practices for {t} in {lang}?",
+    "Give me a {lang} exercise about {t}, with its solution.",
+    "Explain {t} to a junior developer.",
+    "Write a code review checklist for {t}.",
+    "Show a bug related to {t} in {lang} and how to fix it.",
+    "When should I avoid {t}? Give a {lang} example.",
+    "Summarize {t} in three bullet points.",
+    "Write three interview questions about {t}, with answers.",
+    "Write {lang} documentation comments for a function that uses {t}.",
+    "Write a {lang} unit test that checks code using {t}.",
+]
+
+HELD_OUT_CODING = [
+    "Write a Python class that implements a trie with insert and prefix search.",
+    "Implement Dijkstra's shortest path algorithm in Python using heapq.",
+    "Write an LRU cache class in Python without using functools.",
+    "Write a token bucket rate limiter in Go.",
+    "Implement a Bloom filter in Python and explain its false positive rate.",
+    "Write a function that performs a topological sort of a directed acyclic graph.",
+    "Solve the 0/1 knapsack problem with dynamic programming in Python.",
+    "Write a function that computes the Levenshtein distance between two strings.",
+    "Implement run-length encoding and decoding in JavaScript.",
+    "Write a function that converts an integer to Roman numerals.",
+    "Write a sudoku solver in Python using backtracking.",
+    "Solve the N-queens problem in C++.",
+    "Write a function that returns the elements of a matrix in spiral order.",
+    "Given a list of intervals, merge the overlapping ones. Write it in Java.",
+    "Write a debounce function in JavaScript and explain when to use it.",
+    "Explain how a mutex differs from a semaphore, with a C example.",
+    "Write a producer and consumer example in Python with threading.",
+    "Write a minimal WebSocket echo server in Node.js.",
+    "Explain how JSON Web Tokens work and write Python code that verifies one.",
+    "Write a URL shortener service in Flask with an in-memory store.",
+    "Write a tic-tac-toe game for the terminal in Python.",
+    "Implement Conway's Game of Life in JavaScript on a canvas.",
+    "Write the sieve of Eratosthenes in Rust.",
+    "Implement base64 encoding from scratch in C.",
+    "Write a function that computes a CRC32 checksum.",
+    "Implement a Fenwick tree with point updates and prefix sums.",
+    "Write a segment tree for range minimum queries in C++.",
+    "Implement union-find with path compression in Python.",
+    "Implement quickselect to find the k-th smallest element of an array.",
+    "Write reservoir sampling for a stream of unknown length.",
+    "Write a function that counts the set bits of an integer.",
+    "Write a function that groups words that are anagrams of each other.",
+    "Find the maximum subarray sum with Kadane's algorithm.",
+    "Solve the two-sum problem in O(n) time in Go.",
+    "Write a function that checks whether the brackets in a string are balanced.",
+    "Detect a loop in a linked list with Floyd's algorithm.",
+    "Implement a min-heap in Java with insert and extract-min.",
+    "Implement k-means clustering with NumPy.",
+    "Write a function that multiplies two matrices without any library.",
+    "Write FizzBuzz in Rust.",
+    "Serialize and deserialize a binary tree in Python.",
+    "Rotate an N x N image by 90 degrees in place.",
+    "Write a Python script that prints the ten most frequent words in a text file.",
+    "Write a retry decorator with exponential backoff in Python.",
+    "Write a Dockerfile for a small Flask application.",
+    "Write a Makefile that builds a C project with separate object files.",
+    "Write a GraphQL schema for a blog with posts and comments.",
+    "Explain the five fields of a cron expression with examples.",
+    "Write a Python generator that yields Fibonacci numbers forever.",
+    "Write a Python context manager that measures elapsed time.",
+    "Convert this class to a Python dataclass:\n\nclass Point:\n    def __init__(self, x, y):\n"
+    "        self.x = x\n        self.y = y",
+    "Implement pagination for a REST endpoint that lists products.",
+    "Write a SQL query that ranks employees by salary within each department using a window function.",
+    "Explain what git bisect does and show an example session.",
+    "Write a function that compares two semantic version strings.",
+    "Explain Unicode normalization forms with Python examples.",
+    "Write Python code that converts a UTC timestamp to a given time zone.",
+    "Write a stopwatch class in C# with start, stop and reset.",
+    "Write a calculator that evaluates arithmetic expressions with parentheses.",
+    "What does this code print, and why?\n\nx = [1, 2, 3]\ny = x\ny.append(4)\nprint(x)",
+    "Find the bug in this function:\n\ndef avg(xs):\n    return sum(xs) / len(xs) - 1",
+    "Write a binary search tree deletion function in C.",
+    "Write a bash script that backs up a directory into a dated tar archive.",
+    "Write a TypeScript type guard for a discriminated union.",
+    "Implement a thread pool in C++ with std::thread.",
+    "Explain the CAP theorem and give an example system for each trade-off.",
+    "Write a function that flattens a nested dictionary into dotted keys.",
+    "Implement the observer pattern in Java.",
+    "Write a function that returns all permutations of a string.",
+    "Compute the longest common subsequence of two strings in Python.",
+    "Implement a circular buffer in C.",
+]
+
+# The subject of each held-out coding prompt, as words no coding training prompt contains (whole words,
+# any case); coding prompts the target writes itself that name one are dropped.
+HELD_OUT_CODING_SUBJECTS = {
+    "trie": "tries?", "Dijkstra": "dijkstra", "LRU cache": "lru", "rate limiter": "rate limit\\w*",
+    "Bloom filter": "bloom", "topological sort": "topological", "knapsack": "knapsack",
+    "Levenshtein": "levenshtein", "run-length encoding": "run-length", "Roman numerals": "numerals?",
+    "sudoku": "sudoku|backtracking", "N-queens": "queens?", "spiral order": "spiral",
+    "intervals": "intervals?", "debounce": "debounc\\w*", "mutex": "mutex(es)?|semaphores?",
+    "producer and consumer": "producers?|consumers?", "WebSocket": "websockets?",
+    "JSON Web Tokens": "json web tokens?|jwts?", "URL shortener": "shorteners?",
+    "tic-tac-toe": "tic-tac-toe", "Game of Life": "conway|game of life",
+    "sieve": "sieve|eratosthenes", "base64": "base64", "CRC32": "crc32|checksums?", "Fenwick": "fenwick",
+    "segment tree": "segment trees?", "union-find": "union-find|path compression",
+    "quickselect": "quickselect", "reservoir sampling": "reservoir", "set bits": "set bits|popcount",
+    "anagrams": "anagrams?", "Kadane": "kadane|subarrays?", "two-sum": "two-sum",
+    "brackets": "brackets?|balanced", "Floyd": "floyd", "min-heap": "min-heap|heaps?",
+    "k-means": "k-means|clustering", "matrix product": "multipl(y|ies|ication)", "FizzBuzz": "fizzbuzz",
+    "serialization": "serializ\\w*|deserializ\\w*", "image rotation": "images?|degrees",
+    "frequent words": "frequent", "backoff": "backoff", "Dockerfile": "dockerfiles?|flask",
+    "Makefile": "makefiles?", "GraphQL": "graphql", "cron": "cron", "generators": "generators?|yields?",
+    "context manager": "context managers?", "dataclass": "dataclass(es)?", "pagination": "paginat\\w*",
+    "window function": "window functions?|salar(y|ies)", "git bisect": "bisect",
+    "semantic versions": "semantic version\\w*|semver", "Unicode normalization": "unicode|normali[sz]\\w*",
+    "time zones": "time ?zones?|utc", "stopwatch": "stopwatch(es)?",
+    "calculator": "calculators?|arithmetic|parenthes[ie]s", "aliasing": "append",
+    "average bug": "avg", "tree deletion": "deletion", "backups": "backs up|backups?|tar archives?",
+    "type guard": "type guards?|discriminated", "thread pool": "thread pools?", "CAP theorem": "cap theorem",
+    "dotted keys": "dotted", "observer": "observers?", "permutations": "permutations?",
+    "longest common subsequence": "subsequences?", "circular buffer": "circular|ring buffers?",
+}  # fmt: skip
+
+
+def coding_training_prompts(seed: int = 0) -> list[str]:
+    """The coding set's training prompts (code jobs x languages, each (task, topic) once in a language
+    drawn with a fixed seed, and the code prompts), in a seeded order."""
+    lang = random.Random(0)
+    prompts = [
+        f"Write a {name} function that {job}."
+        for name, job in itertools.product(CODING_LANGUAGES, CODING_JOBS)
+    ]
+    prompts += [
+        task.format(t=topic, lang=lang.choice(CODING_LANGUAGES))
+        for task, topic in itertools.product(CODING_TASKS, CODING_TOPICS)
+    ]
+    prompts += CODE_TASKS
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+# Self-instruct for a coding target: numbered lists of programming questions and requests.
+CODING_SELF_INSTRUCT_FORMS = [
+    "Write a numbered list of five different programming questions that people often ask about {t}.",
+    "Write a numbered list of five coding tasks that a developer might ask an AI assistant to do with {t}.",
+    "Write a numbered list of five questions a student might ask a teacher about {t} in programming.",
+    "Write a numbered list of five short requests for code that uses {t}.",
+    "Write a numbered list of five programming questions that beginners often ask.",
+    "Write a numbered list of five requests to write a small function, each naming a programming language.",
+    "Write a numbered list of five questions developers ask about errors in their code.",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSet:
+    """Training prompts, held-out prompts (never trained on), the held-out subjects (words no training
+    prompt and no kept self-instructed prompt may contain) and the self-instruct forms and topics."""
+
+    training: Callable[[int], list[str]]
+    held_out: Callable[[], list[str]]
+    subjects: dict[str, str]
+    self_instruct_forms: list[str]
+    self_instruct_topics: list[str]
+
+    def names_held_out_subject(self, text: str) -> bool:
+        return _subject_pattern(tuple(self.subjects.values())).search(text) is not None
+
+
+@functools.cache
+def _subject_pattern(words: tuple[str, ...]) -> re.Pattern[str]:
+    return re.compile(rf"\b({'|'.join(words)})\b", re.IGNORECASE)
+
+
+PROMPT_SETS = {
+    "general": PromptSet(training_prompts, held_out_prompts, HELD_OUT_SUBJECTS, SELF_INSTRUCT_FORMS, TOPICS),
+    "coding": PromptSet(
+        coding_training_prompts,
+        lambda: list(HELD_OUT_CODING),
+        HELD_OUT_CODING_SUBJECTS,
+        CODING_SELF_INSTRUCT_FORMS,
+        CODING_TOPICS,
+    ),
+}

@@ -11,7 +11,8 @@ as many as the device budget allows.
 
 The target answers SELF_INSTRUCT_FORMS (numbered lists of five questions or requests, most on a
 training topic) sampled at T = 0.7; every list item that reads as one prompt is kept, once, unless it
-names a held-out prompt's subject or is a built-in prompt already.
+names a held-out prompt's subject or is a built-in prompt already. A prompt set other than the general
+one (`--prompt-set coding`) brings its own forms, topics, prompts and held-out subjects.
 """
 
 from __future__ import annotations
@@ -50,13 +51,15 @@ def parse_items(text: str) -> list[str]:
     return out
 
 
-def writing_prompts(count: int, seed: int) -> list[str]:
-    """`count` instructions that ask the target for prompts: seeded (form, topic) draws."""
+def writing_prompts(count: int, seed: int, prompt_set: str = "general") -> list[str]:
+    """`count` instructions that ask the target for prompts: seeded (form, topic) draws from the forms and
+    topics of `prompt_set` (builtin_prompts.PROMPT_SETS)."""
+    ps = builtin_prompts.PROMPT_SETS[prompt_set]
     rng = random.Random(seed)
     out = []
     for _ in range(count):
-        form = rng.choice(builtin_prompts.SELF_INSTRUCT_FORMS)
-        out.append(form.format(t=rng.choice(builtin_prompts.TOPICS)) if "{t}" in form else form)
+        form = rng.choice(ps.self_instruct_forms)
+        out.append(form.format(t=rng.choice(ps.self_instruct_topics)) if "{t}" in form else form)
     return out
 
 
@@ -68,10 +71,11 @@ def self_instruct_prompts(
     count: int,
     seed: int,
     batch_size: int,
+    prompt_set: str = "general",
 ) -> tuple[list[str], dict]:
     """Prompts the target writes in answer to `count` instructions (`encode`: texts -> prompt ids, chat
     template included), and counts for the log: instructions, items parsed, kept."""
-    asks = writing_prompts(count, seed)
+    asks = writing_prompts(count, seed, prompt_set)
     device = target.model.embed_tokens.weight.device
     items: list[str] = []
     for i in range(0, len(asks), batch_size):
@@ -81,11 +85,12 @@ def self_instruct_prompts(
         )
         for answer in answers:
             items += parse_items(tokenizer.decode([t for t in answer if t not in eos]))
-    known = {p.casefold() for p in builtin_prompts.training_prompts() + builtin_prompts.held_out_prompts()}
+    ps = builtin_prompts.PROMPT_SETS[prompt_set]
+    known = {p.casefold() for p in ps.training(0) + ps.held_out()}
     kept = []
     for item in items:
         key = item.casefold()
-        if key not in known and not builtin_prompts.names_held_out_subject(item):
+        if key not in known and not ps.names_held_out_subject(item):
             known.add(key)
             kept.append(item)
     return kept, {"instructions": len(asks), "items": len(items), "kept": len(kept)}

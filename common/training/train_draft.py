@@ -99,7 +99,7 @@ def self_instructed(args, target, tokenizer, chat: bool, eos: set[int], log: Run
     t0 = time.monotonic()
     prompts, counts = self_instruct_prompts(
         target, tokenizer, lambda texts: prompt_ids(tokenizer, texts, chat), eos, args.self_instruct,
-        args.seed, args.gen_batch_size,
+        args.seed, args.gen_batch_size, args.prompt_set,
     )  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({**counts, "seed": args.seed, "prompts": prompts}, indent=1) + "\n")
@@ -287,7 +287,7 @@ def held_out(args, target, tokenizer, chat, eos) -> tuple[list[list[int]], list[
     if args.eval_answers:  # precomputed where the whole target could not go (see --existing-data-only)
         given = json.loads(args.eval_answers.read_text())
         return given["prompts"], given["answers"]
-    texts = builtin_prompts.held_out_prompts()[: args.eval_prompts]
+    texts = builtin_prompts.PROMPT_SETS[args.prompt_set].held_out()[: args.eval_prompts]
     prompts = prompt_ids(tokenizer, texts, chat)
     return prompts, target_texts(target, prompts, args.eval_max_new_tokens, eos)
 
@@ -330,6 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--ttt-depth", type=int, default=4, help="--kind feature: drafted positions unrolled in training"
     )
+    ap.add_argument(
+        "--draft-intermediate-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--kind feature: MLP width of the draft's layer (default: the target's); a narrower one keeps "
+        "the N channels of the target's last layer that contribute most on a training batch",
+    )
     ap.add_argument("--layers", type=int, default=2, help="draft transformer layers")
     ap.add_argument(
         "--init-layers",
@@ -345,6 +353,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperatures", type=parse_floats, default=[0.0, 0.7, 1.0])
     ap.add_argument("--samples-per-prompt", type=int, default=1, help="answers per prompt at each T > 0")
     ap.add_argument("--num-prompts", type=int, default=None, help="use only the first N training prompts")
+    ap.add_argument(
+        "--prompt-set",
+        choices=sorted(builtin_prompts.PROMPT_SETS),
+        default="general",
+        help="built-in training, held-out and self-instruct prompts (common/training/prompts.py): general "
+        "chat, or coding for a code model",
+    )
     ap.add_argument(
         "--self-instruct",
         type=int,
@@ -430,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(args.target)
     chat = bool(getattr(tokenizer, "chat_template", None)) and not args.no_chat
     eos = eos_ids(tokenizer, target)
-    texts = builtin_prompts.training_prompts(args.seed)[: args.num_prompts]
+    texts = builtin_prompts.PROMPT_SETS[args.prompt_set].training(args.seed)[: args.num_prompts]
     texts += self_instructed(args, target, tokenizer, chat, eos, log)
     data = make_data(args, target, prompt_ids(tokenizer, texts, chat), eos, log, deadline)
     if data is None or args.data_only:
@@ -474,7 +489,11 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
     """`--kind feature`: train with training-time test, export, and measure held-out acceptance as served
     (feature_acceptance: real draft chains, not per-position agreement)."""
     layers = tuple(args.feature_layers or default_feature_layers(target.config.num_hidden_layers))
-    draft = build_feature_draft(target, layers, args.markov_rank, args.seed, args.device)
+    # The MLP's channels are ranked on one training batch's MLP inputs of the target's last layer.
+    sample = get_batch(data, 0, min(16, args.batch_size), args.seed, args.max_len)[0].to(args.device)
+    draft = build_feature_draft(
+        target, layers, args.markov_rank, args.seed, args.device, args.draft_intermediate_size, sample
+    )
     heldout = held_out(args, target, tokenizer, chat, eos)
 
     def loss_fn(model, ids, tk_ids, tk_probs, mask):
@@ -492,6 +511,7 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
         "seed": args.seed,
         "steps": steps_done,
         "ttt_depth": args.ttt_depth,
+        "prompt_set": args.prompt_set,
         "command": "specsplit train-draft " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     target_ref = target_reference(args.target, args.out / "draft", args.target_ref)

@@ -1,0 +1,103 @@
+"""A feature draft narrower than its target (`train-draft --kind feature --draft-intermediate-size N`):
+its MLP keeps the target's last-layer channels that contribute most, and the trained draft loads with
+that shape."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.distributed import Comm
+from common.kv_cache import KVCache
+from common.loader import load_model
+from common.training.feature_train import build_feature_draft, mlp_channels
+from common.training.train_draft import main as train_draft_main
+from tests.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory):
+    path = make_tiny_model(tmp_path_factory.mktemp("shape") / "target", seed=0, num_layers=3, vocab_size=512,
+                           hidden_size=64, intermediate_size=128)  # fmt: skip
+    return path, load_model(path, Comm())
+
+
+def last_mlp_inputs(model, ids: torch.Tensor) -> torch.Tensor:
+    seen = []
+    hook = model.model.layers[-1].mlp.register_forward_pre_hook(lambda _, args: seen.append(args[0]))
+    bsz, width = ids.shape
+    cache = KVCache.for_model(model, bsz, width)
+    with torch.no_grad():
+        model(ids, torch.arange(width).expand(bsz, width), torch.arange(bsz), cache, width)
+    hook.remove()
+    return seen[0].reshape(-1, seen[0].shape[-1])
+
+
+def test_narrow_mlp_keeps_the_channels_that_contribute_most(target) -> None:
+    """On a target whose last-layer channels differ in size (log-normal, as trained MLPs' do)."""
+    model = load_model(target[0], Comm())
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.down_proj.weight.mul_(torch.randn(128, generator=gen).exp())
+    calib = torch.randint(0, 512, (4, 24), generator=gen)
+    draft = build_feature_draft(model, (0, 1, 2), 8, seed=0, intermediate_size=32, sample_ids=calib)
+    assert draft.config.intermediate_size == 32
+    mlp = model.model.layers[-1].mlp
+    gate, up = mlp.gate_up_proj.weight.split(128)
+    down = mlp.down_proj.weight
+    x = last_mlp_inputs(model, calib)
+    act = torch.nn.functional.silu(x @ gate.T) * (x @ up.T)  # [N, 128]
+    score = act.abs().mean(0) * down.norm(dim=0)
+    chosen = mlp_channels(model, 32, calib)
+    assert chosen.tolist() == sorted(score.topk(32).indices.tolist())
+    # The narrow MLP is the full one restricted to those channels, exactly.
+    with torch.no_grad():
+        narrow = draft.model.layers[0].mlp(x)
+    torch.testing.assert_close(narrow, act[:, chosen] @ down[:, chosen].T, rtol=1e-5, atol=1e-5)
+    # On other text, the kept channels reproduce the full MLP better than any of 20 random picks.
+    other = last_mlp_inputs(model, torch.randint(0, 512, (4, 24), generator=gen))
+    act_o = torch.nn.functional.silu(other @ gate.T) * (other @ up.T)
+    full = act_o @ down.T
+
+    def error(idx: torch.Tensor) -> float:
+        return float((full - act_o[:, idx] @ down[:, idx].T).norm())
+
+    randoms = [error(torch.randperm(128, generator=gen)[:32]) for _ in range(20)]
+    assert error(chosen) < min(randoms), (error(chosen), min(randoms))
+
+
+def test_full_width_is_the_target_last_layer_and_bad_widths_are_refused(target) -> None:
+    _, model = target
+    draft = build_feature_draft(model, (0, 1, 2), 8, seed=0)
+    last = model.model.layers[-1].mlp
+    assert torch.equal(draft.model.layers[0].mlp.gate_up_proj.weight, last.gate_up_proj.weight)
+    assert torch.equal(draft.model.layers[0].mlp.down_proj.weight, last.down_proj.weight)
+    # Without samples the channels are ranked by weight norms alone.
+    gate, up = last.gate_up_proj.weight.split(128)
+    by_weights = gate.norm(dim=1) * up.norm(dim=1) * last.down_proj.weight.norm(dim=0)
+    assert mlp_channels(model, 16).tolist() == sorted(by_weights.topk(16).indices.tolist())
+    for bad in (0, 129):
+        with pytest.raises(ValueError, match="--draft-intermediate-size"):
+            build_feature_draft(model, (0, 1, 2), 8, seed=0, intermediate_size=bad)
+
+
+def test_trained_narrow_draft_loads_with_its_shape(target, tmp_path: Path) -> None:
+    path, _ = target
+    args = [
+        "--kind", "feature", "--target", str(path), "--out", str(tmp_path / "run"), "--device", "cpu",
+        "--seed", "1", "--markov-rank", "8", "--num-prompts", "16", "--max-new-tokens", "24",
+        "--temperatures", "0", "--gen-batch-size", "16", "--steps", "6", "--batch-size", "8", "--warmup", "2",
+        "--save-dtype", "float32", "--eval-prompts", "2", "--eval-max-new-tokens", "12", "--eval-k", "2",
+        "--prompt-set", "coding", "--draft-intermediate-size", "48",
+    ]  # fmt: skip
+    assert train_draft_main(args) == 0
+    draft_dir = tmp_path / "run" / "draft"
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert config["intermediate_size"] == 48
+    assert config["draft_training"]["prompt_set"] == "coding"
+    draft = load_model(draft_dir, Comm())
+    assert draft.model.layers[0].mlp.down_proj.weight.shape == (64, 48)
+    assert json.loads((tmp_path / "run" / "eval.json").read_text())["prompts"] == 2
