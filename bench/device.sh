@@ -264,9 +264,21 @@ qwen-bench() {
 # with no draft and one with the feature draft inside it at fixed k = 4, at 1 and 16 streams, each with its
 # step trace and both services' metrics scraped after the run; then steps of the 1-stream run under
 # torch.profiler (--profile-dir). Acceptance is about zero: cost only, not speedup.
+# ready PID PORT LOG: waits up to 300 s for the service's health to say SERVING; fails at once if it exits.
+ready() {
+  local t
+  for t in $(seq 300); do
+    kill -0 "$1" 2>/dev/null || { echo "the service on port $2 exited:"; tail -n 20 "$3"; return 1; }
+    $PY -m specsplit.cli health --target "localhost:$2" --timeout 2 > /dev/null 2>&1 && return 0
+    sleep 1
+  done
+  echo "the service on port $2 was not ready after 300 s:"; tail -n 20 "$3"
+  return 1
+}
+
 profile-feature() {
   local r=/tmp/profile-feature preset
-  for preset in ${PRESETS:-smollm2 qwen1.5b}; do
+  for preset in ${PRESETS:-smollm2}; do
     local d=$r/$preset
     rm -rf "$d" && $PY bench/synthetic_feature.py "$d" --preset "$preset" --dtype "${DTYPE:-bfloat16}" || return 1
     local common=(--model "$d/target" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --max-batch-size 64)
@@ -277,9 +289,7 @@ profile-feature() {
       --draft-local "--model $d/draft --metrics-port 9473" --speculation-policy fixed --num-speculative-tokens 4 \
       --profile-dir "$d/prof" --profile-steps 300,100 > "$d/spec.log" 2>&1 &
     local p2=$!
-    for port in 50071 50072; do
-      for _ in $(seq 300); do $PY -m specsplit.cli health --target "localhost:$port" >/dev/null 2>&1 && break; sleep 1; done
-    done
+    ready $p1 50071 "$d/plain.log" && ready $p2 50072 "$d/spec.log" || { kill $p1 $p2; return 1; }
     for b in 1 16; do for cfg in plain spec; do
       local port=50071
       [[ $cfg == spec ]] && port=50072
