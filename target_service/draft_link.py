@@ -120,16 +120,23 @@ class StreamLink:
     def _count_sent(self, msg: draft_pb2.SpeculateRequest) -> None:
         """Counts a message as it is sent (gRPC's byte counters)."""
 
-    def send(self, msg: draft_pb2.SpeculateRequest, epoch: int) -> bool:
-        """Queue one step's message on the stream without waiting; False when not connected."""
-        send_q = self._send_q
-        if not self.connected or send_q is None or epoch != self.epoch:
+    def _prepare(self, msg: draft_pb2.SpeculateRequest, epoch: int) -> bool:
+        """A message about to go on this epoch's stream: the first one's fields set, counted. False when
+        not connected (or another epoch's)."""
+        if not self.connected or epoch != self.epoch:
             return False
         if self._first_message:
             msg.target_vocab_size = self.target_vocab_size
             msg.target_gpus[:] = self.target_gpus
             self._first_message = False
         self._count_sent(msg)
+        return True
+
+    def send(self, msg: draft_pb2.SpeculateRequest, epoch: int) -> bool:
+        """Queue one step's message on the stream without waiting; False when not connected."""
+        send_q = self._send_q
+        if send_q is None or not self._prepare(msg, epoch):
+            return False
         send_q.put(msg)
         if self.yield_after_send:
             # The thread that carries the message (gRPC's request-iterator thread, or the in-process

@@ -3,8 +3,9 @@
 Two services on one GPU pay a gRPC round trip per speculative step on top of the draft's round (B=1: 2.31
 ms from ask to answer for a 1.41 ms round; the rest is serialisation and thread hand-offs in both
 processes), and their kernels take turns between two CUDA contexts. Here the draft service's own stream
-logic (draft_service/stream.py: the same protocol, state, graphs and metrics) runs on a thread of the
-target's process and takes the scheduler's messages from a queue, one hand-off each way. A draft on GPUs
+logic (draft_service/stream.py: the same protocol, state, graphs and metrics) runs in the target's
+process: on the scheduler's thread, called with each message (`inline`, the default), or, for a draft
+that drafts ahead on this GPU (--draft-ahead-shared-gpu), on a thread of its own fed from a queue. A draft on GPUs
 of its own (its round then overlaps the target's verify), a TP target, or a draft shared by several
 targets need the draft service.
 """
@@ -63,7 +64,7 @@ def draft_feature_layers(model: str) -> str:
 
 
 class LocalDraft(StreamLink):
-    """The draft service's stream logic on a thread of this process: a StreamLink and an InProcessDraft
+    """The draft service's stream logic in this process: a StreamLink and an InProcessDraft
     (target_service/draft_link.py), the target's one module that imports draft_service."""
 
     in_process = True  # the scheduler streams no tokens while it waits for this draft's round
@@ -124,16 +125,96 @@ class LocalDraft(StreamLink):
         self._held = threading.Event()
         self._held.set()
         self._thread = threading.Thread(target=self._run, name="draft-local", daemon=True)
+        # Inline (no draft-ahead on this GPU, the default): the stream logic runs on the caller's thread
+        # (the scheduler's). Each hand-off between two threads waits for the GIL, up to a switch interval,
+        # and the chained round waited for the draft's thread to apply the verdicts first: at B=1 those
+        # waits left the GPU idle for about as long as the step's own work. A held ask's verdicts are
+        # applied at the next chain, send or receive (once the next verify is queued, as on the thread).
+        self.inline = not config.draft_ahead_shared_gpu
+        self._pending: draft_pb2.SpeculateRequest | None = None  # the held ask (inline)
+        self._reopen_at = 0.0  # inline: after a failed stream, when the next one opens
+        self._backoff = 0.1
         log.info("draft in this process: %s (%s, %s, %d CUDA graphs), metrics port %d", self.info.model,
                  self.info.method, config.device, runner.graphs, self.metrics_port)  # fmt: skip
 
     def start(self) -> None:
-        self._thread.start()
+        if self.inline:
+            self.yield_after_send = False  # no other thread carries the message
+            self._open_inline()
+        else:
+            self._thread.start()
+
+    # -- inline: the stream on the caller's thread ---------------------------------------------------------
+    def _open_inline(self) -> None:
+        if self.epoch:  # a new stream after a failed one: counted as a gRPC link counts a reconnect
+            self.metrics.draft_reconnects.inc()
+        self._open_stream()
+        self._stream = DraftStream(self.draft, "in-process")
+        self._pending = None
+
+    def _handle(self, msg: draft_pb2.SpeculateRequest, answer: bool) -> None:
+        """One message through the stream now; its answer (if wanted) waits in the receive queue. A
+        failure ends the stream as on the thread: plain decoding, a new stream after a backoff."""
+        stream = self._stream
+        if stream is None:
+            return
+        try:
+            for response in stream.handle(msg, time.perf_counter(), answer=answer):
+                if answer:
+                    self._recv_q.put(response)
+            self._handled_step = msg.step
+            self._backoff = 0.1
+        except Exception:  # the target must survive its draft
+            log.exception("the in-process draft failed; plain decoding, a new stream in %.1f s",
+                          self._backoff)  # fmt: skip
+            self._stream = None
+            self._pending = None
+            stream.close()
+            self._stream_ended()
+            self._reopen_at = time.perf_counter() + self._backoff
+            self._backoff = min(self._backoff * 2, 10.0)
+
+    def _handle_pending(self) -> None:
+        msg, self._pending = self._pending, None
+        if msg is not None:
+            self._handle(msg, answer=False)
+
+    def _reopen(self) -> None:
+        """Inline: a failed stream's successor opens at the first look past its backoff."""
+        if self._stream is None and not self._closed.is_set() and time.perf_counter() >= self._reopen_at:
+            self._open_inline()
+
+    @property
+    def connected(self) -> bool:
+        if self.inline:
+            self._reopen()
+        return self._connected.is_set()
+
+    def wait_connected(self, timeout: float) -> bool:
+        if not self.inline:
+            return super().wait_connected(timeout)
+        deadline = time.perf_counter() + timeout
+        while not self.connected and time.perf_counter() < deadline:
+            time.sleep(min(0.01, max(0.0, self._reopen_at - time.perf_counter())))
+        return self.connected
+
+    def _send_inline(self, msg: draft_pb2.SpeculateRequest, epoch: int, hold: bool) -> bool:
+        self._handle_pending()
+        if not self._prepare(msg, epoch):
+            return False
+        self._sent_step = msg.step
+        if hold:
+            self._pending = msg
+        else:
+            self._handle(msg, answer=True)
+        return True
 
     def send(self, msg: draft_pb2.SpeculateRequest, epoch: int, hold: bool = False) -> bool:
         """Queues one step's message. `hold`: its answer is not wanted (the target drafts from the chained
         round, `take_chained`), and the draft's thread handles it once the target next calls
         `chain`, `send` or `receive` (or after HOLD_SECONDS)."""
+        if self.inline:
+            return self._send_inline(msg, epoch, hold)
         self.release()
         if hold:
             self._held.clear()
@@ -151,6 +232,8 @@ class LocalDraft(StreamLink):
 
     def release(self) -> None:
         """The held ask may be handled now."""
+        if self.inline:
+            self._handle_pending()
         self._held.set()
 
     def take_chained(self, epoch: int) -> ChainedRound | None:
@@ -172,6 +255,8 @@ class LocalDraft(StreamLink):
         # The round starts from the state the verdicts sent so far leave (a held ask's among them): the
         # draft's thread applies them while the GPU verifies.
         sent = self._sent_step
+        if self.inline:
+            self._handle_pending()
         with self._handled:
             caught_up = self._handled.wait_for(
                 lambda: self._handled_step >= sent or epoch != self.epoch or not self.connected,
@@ -192,6 +277,10 @@ class LocalDraft(StreamLink):
 
     def close(self) -> None:
         super().close()
+        if self.inline and self._stream is not None:
+            self._handle_pending()
+            self._stream.close()
+            self._stream = None
         self.release()
         self.draft_metrics.ready.set(0)
         if self._thread.is_alive():
