@@ -23,8 +23,9 @@
 # What the machine needs from here (the device tool's `carry`):
 #   .whl/   wheels the GPU image lacks, installed into $SITE when their module is missing there:
 #           grpcio-health-checking and grpcio-reflection at the image's grpcio version (a newer one's
-#           generated code refuses to import under an older grpcio), gguf (+ pyyaml, tqdm) for `real`.
-#           pip download --no-deps -d .whl grpcio-health-checking==V grpcio-reflection==V gguf
+#           generated code refuses to import under an older grpcio), cryptography (+ cffi, pycparser) for
+#           the services' TLS, gguf (+ pyyaml, tqdm) for GGUF models.
+#           pip download --no-deps -d .whl grpcio-health-checking==V grpcio-reflection==V cryptography cffi pycparser gguf pyyaml tqdm
 #   .gguf/  for `transfer` only: one part of a file split by `bench/gguf_chunks.py split FILE .gguf`
 #           (.gguf/cN: SmolLM2's GGUF for `real`, `train`, `feature`), or of a catalogue model split by
 #           `bench/gguf_chunks.py split FILE .gguf/NAME` (.gguf/NAME/cN: installed in the model cache
@@ -59,6 +60,9 @@ install_wheels() {
       gguf-*) mod=gguf ;;
       pyyaml-* | PyYAML-*) mod=yaml ;;
       tqdm-*) mod=tqdm ;;
+      cryptography-*) mod=cryptography.x509 ;;
+      cffi-*) mod=cffi ;;
+      pycparser-*) mod=pycparser ;;
       grpcio_health_checking-*) mod=grpc_health.v1.health ;;
       grpcio_reflection-*) mod=grpc_reflection.v1alpha.reflection ;;
       *) continue ;;
@@ -260,10 +264,6 @@ qwen-bench() {
     --prompts coding --configs plain adaptive fixed never classic remote "$@"
 }
 
-# Where a feature draft's speculative step goes, on random weights (bench/synthetic_feature.py): a target
-# with no draft and one with the feature draft inside it at fixed k = 4, at 1 and 16 streams, each with its
-# step trace and both services' metrics scraped after the run; then steps of the 1-stream run under
-# torch.profiler (--profile-dir). Acceptance is about zero: cost only, not speedup.
 # ready PID PORT LOG: waits up to 300 s for the service's health to say SERVING; fails at once if it exits.
 ready() {
   local t
@@ -276,6 +276,10 @@ ready() {
   return 1
 }
 
+# Where a feature draft's speculative step goes, on random weights (bench/synthetic_feature.py): a target
+# with no draft and one with the feature draft inside it at fixed k = 4, at 1 and 16 streams, each with its
+# step trace and both services' metrics scraped after the run; then steps of the 1-stream run under
+# torch.profiler (--profile-dir). Acceptance is about zero: cost only, not speedup.
 profile-feature() {
   local r=/tmp/profile-feature preset
   for preset in ${PRESETS:-smollm2}; do

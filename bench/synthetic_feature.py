@@ -37,8 +37,8 @@ PRESETS = {
                      intermediate_size=8960, architecture="Qwen2ForCausalLM", tie_word_embeddings=False,
                      config=dict(head_dim=128, rope_theta=1000000.0)),
     # For trying the tools on a CPU.
-    "tiny": dict(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                 architecture="LlamaForCausalLM"),
+    "tiny": dict(vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                 intermediate_size=128, architecture="LlamaForCausalLM"),
 }  # fmt: skip
 
 

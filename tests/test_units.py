@@ -107,6 +107,16 @@ def test_bad_flags_and_env_name_the_flag(monkeypatch, capsys):
         parse_config(_Config, ["--model", "m", "--device", "tpu"], "prog")
 
 
+@pytest.mark.parametrize("window", ["200", "a,b", "5,0", "-1,10"])
+def test_a_bad_profile_window_names_the_flag(window, capsys):
+    from target_service.config import TargetConfig
+
+    with pytest.raises(SystemExit):
+        argv = ["--model", "m", "--profile-dir", "/tmp/p", "--profile-steps", window]
+        parse_config(TargetConfig, argv, "t")
+    assert "--profile-steps" in capsys.readouterr().err
+
+
 class _NoRunner:
     max_len = 1000
     num_branch_slots = branch_slot_offset = 0  # no branches
