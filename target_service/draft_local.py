@@ -5,9 +5,9 @@ ms from ask to answer for a 1.41 ms round; the rest is serialisation and thread 
 processes), and their kernels take turns between two CUDA contexts. Here the draft service's own stream
 logic (draft_service/stream.py: the same protocol, state, graphs and metrics) runs in the target's
 process: on the scheduler's thread, called with each message (`inline`, the default), or, for a draft
-that drafts ahead on this GPU (--draft-ahead-shared-gpu), on a thread of its own fed from a queue. A draft on GPUs
-of its own (its round then overlaps the target's verify), a TP target, or a draft shared by several
-targets need the draft service.
+that drafts ahead on this GPU (--draft-ahead-shared-gpu), on a thread of its own fed from a queue.
+A draft on GPUs of its own (its round then overlaps the target's verify), a TP target, or a draft shared
+by several targets need the draft service.
 """
 
 from __future__ import annotations

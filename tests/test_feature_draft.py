@@ -12,7 +12,6 @@ features each get a clear answer.
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import grpc
