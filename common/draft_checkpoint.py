@@ -10,6 +10,10 @@ draft's config.json names the target instead:
 to the draft directory, `python-package:PKG/FILE` names a file inside an installed package (found
 without importing it), and a catalogue name (`specsplit fetch`) the file fetched for it. The loader reads
 the listed tensors from there and everything else from the draft.
+
+A draft with a reduced vocabulary (`draft_vocab_size`, a d2t table of its own) adds `"lm_head_rows":
+"d2t"`: its `lm_head.weight` is the target's LM head (the embedding of a tied target) restricted to the
+rows d2t names, draft id i -> target id i + d2t[i], gathered at load.
 """
 
 from __future__ import annotations
@@ -19,9 +23,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from specsplit.catalog import CATALOG, resolve_model
 
 SHARED_WEIGHTS_KEY = "shared_weights"
+LM_HEAD_ROWS_KEY = "lm_head_rows"
 PACKAGE_PREFIX = "python-package:"
 
 
@@ -38,6 +45,11 @@ def shared_weights_spec(path: Path) -> dict[str, Any] | None:
     tensors = spec.get("tensors")
     if not isinstance(tensors, list) or not all(isinstance(t, str) for t in tensors):
         raise ValueError(f"{config_file}: '{SHARED_WEIGHTS_KEY}.tensors' must be a list of tensor names")
+    if spec.get(LM_HEAD_ROWS_KEY, "d2t") != "d2t":
+        raise ValueError(
+            f"{config_file}: '{SHARED_WEIGHTS_KEY}.{LM_HEAD_ROWS_KEY}' must be \"d2t\" (the draft's own table "
+            f"of the target rows it keeps), got {spec[LM_HEAD_ROWS_KEY]!r}"
+        )
     return spec
 
 
@@ -81,16 +93,49 @@ class SafetensorsFile:
         return self._f.get_slice(name)
 
 
-class SharedCheckpointFiles:
-    """The draft's own files, plus `tensors` served from the target's checkpoint."""
+class HeadRows:
+    """The target's LM head restricted to the rows a reduced-vocab draft keeps, as a checkpoint slice
+    (`get_shape`, `[index]`); the rows are gathered once, on first read."""
 
-    def __init__(self, own, target, shared: list[str]):
+    def __init__(self, own, target):
+        self.path = own.path
+        d2t = own.get_slice("d2t")[:].to(torch.int64)
+        self.rows = torch.arange(len(d2t)) + d2t
+        try:
+            self.head = target.get_slice("lm_head.weight")
+        except (KeyError, ValueError):  # a tied target: its embedding is its head
+            self.head = target.get_slice("model.embed_tokens.weight")
+        vocab = self.head.get_shape()[0]
+        if len(self.rows) and not (0 <= int(self.rows.min()) and int(self.rows.max()) < vocab):
+            raise ValueError(
+                f"{self.path}: tensor 'd2t' maps draft ids to target ids outside 0..{vocab - 1} "
+                f"(the target's LM head rows)"
+            )
+        self._full: torch.Tensor | None = None
+
+    def get_shape(self) -> tuple[int, ...]:
+        return (len(self.rows), *self.head.get_shape()[1:])
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if self._full is None:
+            self._full = self.head[:][self.rows]
+        return self._full[index]
+
+
+class SharedCheckpointFiles:
+    """The draft's own files, plus `tensors` served from the target's checkpoint (and the LM head's kept
+    rows, for a reduced-vocab draft)."""
+
+    def __init__(self, own, target, shared: list[str], head_rows: bool = False):
         self.own = own
         self.target = target
         self.shared = set(shared)
         self.path = own.path
+        self.head_rows = HeadRows(own, target) if head_rows else None
 
     def get_slice(self, name: str):
+        if name == "lm_head.weight" and self.head_rows is not None:
+            return self.head_rows
         return (self.target if name in self.shared else self.own).get_slice(name)
 
 
@@ -112,4 +157,4 @@ def with_shared_weights(path: Path, own, checkpoint_files_cls=None):
     if spec is None:
         return own
     target = open_target(resolve_target_path(path, spec["path"]), checkpoint_files_cls or type(own))
-    return SharedCheckpointFiles(own, target, spec["tensors"])
+    return SharedCheckpointFiles(own, target, spec["tensors"], LM_HEAD_ROWS_KEY in spec)

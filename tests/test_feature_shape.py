@@ -101,3 +101,59 @@ def test_trained_narrow_draft_loads_with_its_shape(target, tmp_path: Path) -> No
     draft = load_model(draft_dir, Comm())
     assert draft.model.layers[0].mlp.down_proj.weight.shape == (64, 48)
     assert json.loads((tmp_path / "run" / "eval.json").read_text())["prompts"] == 2
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-target", "own-head-target"])
+def test_reduced_vocab_draft_keeps_the_target_head_rows_and_serves_losslessly(
+    tied: bool, tmp_path: Path
+) -> None:
+    """`--draft-vocab N`: the head covers the N tokens the target predicts most in the training data; the
+    checkpoint stores d2t and no head, the loader gathers the target's head rows (its embedding when
+    tied), and the draft inside the target drafts target ids: greedy output equals plain, with drafts
+    made and accepted."""
+    from safetensors import safe_open
+
+    from common.training.data import Sequences
+    from common.training.feature_train import draft_vocab_ids
+    from tests.service_util import running, speculative_equals_plain, start_target
+    from tests.test_feature_draft import prompts_for
+
+    target_dir = make_tiny_model(tmp_path / "target", seed=0, num_layers=3, vocab_size=512, hidden_size=64,
+                                 tie_word_embeddings=tied)  # fmt: skip
+    run = tmp_path / "run"
+    args = [
+        "--kind", "feature", "--target", str(target_dir), "--out", str(run), "--device", "cpu",
+        "--seed", "3", "--markov-rank", "16", "--num-prompts", "32", "--max-new-tokens", "40",
+        "--temperatures", "0", "--gen-batch-size", "32", "--steps", "40", "--batch-size", "16",
+        "--warmup", "5", "--lr", "3e-3", "--markov-lr", "3e-2", "--log-every", "20",
+        "--save-dtype", "float32", "--eval-prompts", "4", "--eval-max-new-tokens", "24", "--eval-k", "1,4",
+        "--draft-vocab", "192",
+    ]  # fmt: skip
+    assert train_draft_main(args) == 0
+    draft_dir = run / "draft"
+    config = json.loads((draft_dir / "config.json").read_text())
+    assert config["draft_vocab_size"] == 192 and config["tie_word_embeddings"] is False
+    assert config["shared_weights"]["lm_head_rows"] == "d2t"
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" not in f.keys()
+        d2t = f.get_tensor("d2t")
+    # The kept ids are the 192 the target predicted most often at trained positions.
+    data = Sequences.concat([Sequences.load(p) for p in sorted((run / "data").glob("part-*.safetensors"))])
+    ids, coverage = draft_vocab_ids(data.topk_ids[:, 0], data.trained, 192, 512)
+    assert torch.equal(torch.arange(192) + d2t, ids) and 0.5 < coverage <= 1.0
+    counts = torch.bincount(data.topk_ids[:, 0][data.trained], minlength=512)
+    assert counts[ids].min() >= counts[torch.ones(512, dtype=torch.bool).index_fill_(0, ids, False)].max()
+    target = load_model(target_dir, Comm())
+    draft = load_model(draft_dir, Comm())
+    head = target.lm_head.weight
+    assert torch.equal(draft.lm_head.weight[:192], head[ids])
+    assert draft.map_to_target(torch.arange(192)).tolist() == ids.tolist()
+
+    served = start_target(target_dir, tmp_path, None, "--draft-local", f"--model {draft_dir} --metrics-port 0",
+                          "--speculation-policy", "fixed", name="target-reduced").wait_ready()  # fmt: skip
+    with running(served):
+        spec, _ = speculative_equals_plain(
+            served.address, prompts_for(target_dir, 4), 2, k=4, max_new_tokens=32
+        )
+    assert sum(r.usage.drafted_tokens for r in spec) > 0
+    assert sum(r.usage.accepted_tokens for r in spec) > 0

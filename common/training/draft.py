@@ -20,7 +20,7 @@ from torch import nn
 
 from common.config import DTYPES, ModelConfig
 from common.distributed import Comm
-from common.draft_checkpoint import SHARED_WEIGHTS_KEY
+from common.draft_checkpoint import LM_HEAD_ROWS_KEY, SHARED_WEIGHTS_KEY
 from common.layers.shard import checkpoint_parts
 from common.models.transformer import Transformer
 
@@ -121,6 +121,8 @@ def save_draft(
     if not include_shared:
         shared = sorted({n for n, _ in draft.named_parameters() if is_shared(n)})
         raw[SHARED_WEIGHTS_KEY] = {"path": target_ref, "tensors": shared}
+        if draft.d2t is not None and "lm_head.weight" in shared:
+            raw[SHARED_WEIGHTS_KEY][LM_HEAD_ROWS_KEY] = "d2t"  # the target's head rows the draft keeps
     raw["draft_training"] = extra
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

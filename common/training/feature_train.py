@@ -37,12 +37,14 @@ def build_feature_draft(
     device="cpu",
     intermediate_size: int | None = None,
     sample_ids: Tensor | None = None,
+    vocab_ids: Tensor | None = None,
 ) -> FeatureDraft:
     """A float32 feature draft for `target`, reading the streams entering `layers`. Its layer starts as the
     target's last one reading only the fused stream, and fc as the pick of the highest captured stream:
     before training it continues the target from that layer on, with one layer. With `intermediate_size`
     below the target's, the MLP keeps that many of the last layer's channels, those contributing most
-    (mlp_channels; on `sample_ids` when given)."""
+    (mlp_channels; on `sample_ids` when given). With `vocab_ids` [N] (sorted target ids, draft_vocab_ids)
+    the LM head is the target's head restricted to those rows and d2t maps draft ids back."""
     num = target.config.num_hidden_layers
     if not layers or any(not 0 <= i < num for i in layers):
         raise ValueError(f"--feature-layers: {list(layers)} must be layers of the target (0..{num - 1})")
@@ -50,6 +52,12 @@ def build_feature_draft(
     inter = full if intermediate_size is None else intermediate_size
     if not 0 < inter <= full:
         raise ValueError(f"--draft-intermediate-size: {inter} must be in 1..{full} (the target's)")
+    reduced = {}
+    if vocab_ids is not None:
+        if not 0 < len(vocab_ids) < target.config.vocab_size:
+            raise ValueError(f"--draft-vocab: {len(vocab_ids)} must be below the target's vocab")
+        # a separate head: the draft's head holds only the kept rows, its embedding the whole vocab
+        reduced = dict(draft_vocab_size=len(vocab_ids), tie_word_embeddings=False)
     cfg = dataclasses.replace(
         target.config,
         num_hidden_layers=1,
@@ -57,6 +65,7 @@ def build_feature_draft(
         feature_layers=tuple(layers),
         markov_rank=markov_rank,
         name="draft",
+        **reduced,
     )
     draft = FeatureDraft(cfg, Comm(), dtype=torch.float32, device=device)
     src = dict(target.named_parameters())
@@ -84,12 +93,44 @@ def build_feature_draft(
                 param.copy_(torch.cat([gate[channels.to(gate.device)], up[channels.to(up.device)]]))
             elif channels is not None and name.endswith("mlp.down_proj.weight"):
                 param.copy_(src[last][:, channels.to(src[last].device)])
+            elif name == "d2t":
+                param.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+            elif name == "lm_head.weight" and vocab_ids is not None:
+                head = target.lm_head.weight  # the embedding of a tied target
+                param.copy_(head[vocab_ids.to(head.device)])
             elif last in src:
                 param.copy_(src[last])
             else:
                 param.copy_(src[name])
-            param.requires_grad_(not name.startswith(("model.embed_tokens.", "lm_head.")))
+            if param.is_floating_point():
+                param.requires_grad_(not name.startswith(("model.embed_tokens.", "lm_head.")))
     return draft
+
+
+def draft_vocab_ids(top1: Tensor, trained: Tensor, size: int, vocab_size: int) -> tuple[Tensor, float]:
+    """top1 [N] (the target's top token at each data position), trained [N] bool -> the `size` ids the
+    target predicts most often at trained positions (ties to the lower id), increasing, and the share of
+    those predictions they cover. A draft that predicts only these loses the rest: the coverage bounds
+    its per-token acceptance."""
+    if not 0 < size < vocab_size:
+        raise ValueError(f"--draft-vocab: {size} must be in 1..{vocab_size - 1} (below the target's vocab)")
+    counts = torch.bincount(top1[trained], minlength=vocab_size).double()
+    ids = torch.argsort(counts, descending=True, stable=True)[:size].sort().values
+    coverage = float(counts[ids].sum() / counts.sum().clamp_min(1))
+    return ids, coverage
+
+
+def to_draft_vocab(draft: FeatureDraft, tk_ids: Tensor, tk_probs: Tensor) -> tuple[Tensor, Tensor]:
+    """The target's top-K (target ids [..., K], probs) in the draft's vocab: ids outside it get
+    probability 0 (the loss renormalises over the rest). Identity without a reduced vocab."""
+    if draft.d2t is None:
+        return tk_ids, tk_probs
+    vocab = draft.config.vocab_size
+    t2d = torch.full((vocab,), -1, dtype=torch.int64, device=tk_ids.device)
+    ids = torch.arange(len(draft.d2t), device=tk_ids.device)
+    t2d[ids + draft.d2t.to(tk_ids.device)] = ids
+    mapped = t2d[tk_ids]
+    return mapped.clamp_min(0), tk_probs * (mapped >= 0)
 
 
 @torch.no_grad()
@@ -194,7 +235,10 @@ def unrolled_hidden(draft: FeatureDraft, ids: Tensor, feats: Tensor, depth: int)
 
 
 def ttt_loss(draft: FeatureDraft, feats, ids, tk_ids, tk_probs, mask, depth: int, use_markov: bool = True):
-    """(weighted soft cross-entropy, step 0's KL) against the target's renormalised top-K, over `mask`."""
+    """(weighted soft cross-entropy, step 0's KL) against the target's renormalised top-K, over `mask`
+    (with a reduced draft vocab: its part of the top-K, at positions where that part is not empty)."""
+    tk_ids, tk_probs = to_draft_vocab(draft, tk_ids, tk_probs)
+    mask = mask & (tk_probs.sum(-1) > 0)
     p = tk_probs / tk_probs.sum(-1, keepdim=True).clamp_min(1e-9)
     entropy = -(p * p.clamp_min(1e-9).log()).sum(-1)
     total, weight, kl0 = 0.0, 0.0, None

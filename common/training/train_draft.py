@@ -37,7 +37,13 @@ from common.models.transformer import Transformer
 from common.training import prompts as builtin_prompts
 from common.training.data import Sequences, generate_batch
 from common.training.draft import build_draft, save_draft, target_reference
-from common.training.feature_train import build_feature_draft, feature_acceptance, target_features, ttt_loss
+from common.training.feature_train import (
+    build_feature_draft,
+    draft_vocab_ids,
+    feature_acceptance,
+    target_features,
+    ttt_loss,
+)
 from common.training.measure import acceptance, match_flags, target_texts
 from common.training.self_instruct import self_instruct_prompts
 
@@ -338,6 +344,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="--kind feature: MLP width of the draft's layer (default: the target's); a narrower one keeps "
         "the N channels of the target's last layer that contribute most on a training batch",
     )
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--kind feature: the draft's LM head covers only the N tokens the target most often predicts "
+        "in the training answers (a d2t table maps them back); its rows are read from the target at load",
+    )
     ap.add_argument("--layers", type=int, default=2, help="draft transformer layers")
     ap.add_argument(
         "--init-layers",
@@ -491,9 +505,19 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
     layers = tuple(args.feature_layers or default_feature_layers(target.config.num_hidden_layers))
     # The MLP's channels are ranked on one training batch's MLP inputs of the target's last layer.
     sample = get_batch(data, 0, min(16, args.batch_size), args.seed, args.max_len)[0].to(args.device)
+    vocab_ids = None
+    if args.draft_vocab is not None:
+        try:
+            vocab_ids, coverage = draft_vocab_ids(
+                data.topk_ids[:, 0], data.trained, args.draft_vocab, target.config.vocab_size
+            )
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        log("draft_vocab", size=args.draft_vocab, coverage=round(coverage, 4))
     draft = build_feature_draft(
-        target, layers, args.markov_rank, args.seed, args.device, args.draft_intermediate_size, sample
-    )
+        target, layers, args.markov_rank, args.seed, args.device, args.draft_intermediate_size, sample,
+        vocab_ids,
+    )  # fmt: skip
     heldout = held_out(args, target, tokenizer, chat, eos)
 
     def loss_fn(model, ids, tk_ids, tk_probs, mask):
@@ -512,6 +536,7 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
         "steps": steps_done,
         "ttt_depth": args.ttt_depth,
         "prompt_set": args.prompt_set,
+        "draft_vocab": args.draft_vocab,
         "command": "specsplit train-draft " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     target_ref = target_reference(args.target, args.out / "draft", args.target_ref)
