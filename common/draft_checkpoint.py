@@ -47,8 +47,8 @@ def shared_weights_spec(path: Path) -> dict[str, Any] | None:
         raise ValueError(f"{config_file}: '{SHARED_WEIGHTS_KEY}.tensors' must be a list of tensor names")
     if spec.get(LM_HEAD_ROWS_KEY, "d2t") != "d2t":
         raise ValueError(
-            f"{config_file}: '{SHARED_WEIGHTS_KEY}.{LM_HEAD_ROWS_KEY}' must be \"d2t\" (the draft's own table "
-            f"of the target rows it keeps), got {spec[LM_HEAD_ROWS_KEY]!r}"
+            f"{config_file}: '{SHARED_WEIGHTS_KEY}.{LM_HEAD_ROWS_KEY}' must be \"d2t\" (the draft's own "
+            f"table of the target rows it keeps), got {spec[LM_HEAD_ROWS_KEY]!r}"
         )
     return spec
 

@@ -149,8 +149,9 @@ def test_reduced_vocab_draft_keeps_the_target_head_rows_and_serves_losslessly(
     assert torch.equal(draft.lm_head.weight[:192], head[ids])
     assert draft.map_to_target(torch.arange(192)).tolist() == ids.tolist()
 
-    served = start_target(target_dir, tmp_path, None, "--draft-local", f"--model {draft_dir} --metrics-port 0",
-                          "--speculation-policy", "fixed", name="target-reduced").wait_ready()  # fmt: skip
+    local = f"--model {draft_dir} --metrics-port 0"
+    served = start_target(target_dir, tmp_path, None, "--draft-local", local, "--speculation-policy", "fixed",
+                          name="target-reduced").wait_ready()  # fmt: skip
     with running(served):
         spec, _ = speculative_equals_plain(
             served.address, prompts_for(target_dir, 4), 2, k=4, max_new_tokens=32
