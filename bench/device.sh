@@ -7,6 +7,7 @@
 #   bench/device.sh profile [profile_step.py flags]
 #   bench/device.sh tests [test files]            the GPU tests (default: every test file that uses CUDA)
 #   bench/device.sh transfer                      rebuild big files from the parts carried in .gguf/
+#   bench/device.sh wheels                        install the wheels carried in .whl/ (kept in $SITE)
 #   bench/device.sh sweep gemm|glu|stream [flags] the GEMM tile sweeps (bench/*_sweep.py)
 #   bench/device.sh train                         drafts/smollm2-135m-instruct/train.sh (after transfer)
 #   bench/device.sh feature-train                 drafts/smollm2-135m-instruct-feature/train.sh (after transfer)
@@ -47,7 +48,7 @@ export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_ME
 mkdir -p "$OUT"
 
 usage() {
-  sed -n '2,22p' "$0" | cut -c3-
+  sed -n '2,23p' "$0" | cut -c3-
   exit 2
 }
 
@@ -347,6 +348,7 @@ verb=${1:-}
 shift || true
 case $verb in
   transfer) transfer ;;
+  wheels) install_wheels ;;
   e2e | real | kernels | profile | tests | sweep | train | feature-train | feature | profile-feature | qwen-train | qwen-bench)
     install_wheels || exit 5
     "$verb" "$@"
