@@ -19,11 +19,12 @@ new run starts and the summary covers what ran.
 
 The summary: per config and batch, x plain (output tok/s over the plain target's in the same round:
 median and range over rounds), accepted / drafted and tokens per request per step (bench-serve's
-counts, the timed run only), greedy mismatches and failed requests, and c = one draft position / one
-plain step: the draft's mean round time (specsplit_draft_step_seconds; rounds chained to the verify are
-timed on the GPU) over its tokens per round (draft_tokens / drafts) over the plain target's mean step
-at that batch in the same round (specsplit_verify_step_seconds). A config whose draft ran no round has
-no c.
+counts, the timed run only), greedy mismatches and failed requests (and of the mismatches probed, how
+many diverged at a near-tie of the target's top two: bench-serve's `divergence`), and c = one draft
+position / one plain step: the draft's mean round time (specsplit_draft_step_seconds; rounds chained to
+the verify are timed on the GPU) over its tokens per round (draft_tokens / drafts) over the plain
+target's mean step at that batch in the same round (specsplit_verify_step_seconds). A config whose draft
+ran no round has no c.
 """
 
 from __future__ import annotations
@@ -269,7 +270,7 @@ def summarize(report: dict) -> list[dict]:
         name, batch = key.split("-b")
         reps = sorted(int(k.rsplit("-r", 1)[1]) for k in runs if k.rsplit("-", 1)[0] == key)
         x, cs, tput = [], [], []
-        drafted = accepted = mismatches = 0
+        drafted = accepted = mismatches = probed = ties = 0
         per_step = []
         for r in reps:
             run, plain = runs[f"{key}-r{r}"], runs.get(f"plain-b{batch}-r{r}", {})
@@ -282,6 +283,8 @@ def summarize(report: dict) -> list[dict]:
             accepted += run.get("accepted_tokens", 0)
             mismatches += run.get("greedy_check", {}).get("mismatches", 0) + run.get("failed", 0)
             mismatches += 1 if "error" in run else 0
+            probes = run.get("greedy_check", {}).get("divergences", [])
+            probed, ties = probed + len(probes), ties + sum(bool(d.get("near_tie")) for d in probes)
             if run.get("tokens_per_step"):
                 per_step.append(run["tokens_per_step"])
         rows.append({
@@ -294,6 +297,7 @@ def summarize(report: dict) -> list[dict]:
             "tokens_per_step": statistics.median(per_step) if per_step else None,
             "c_median": statistics.median(cs) if cs else None,
             "greedy_mismatches_or_failures": mismatches,
+            "divergences_probed": probed, "near_ties": ties,
         })  # fmt: skip
     return rows
 
@@ -302,8 +306,8 @@ def table(rows: list[dict]) -> str:
     def f(v, fmt="{:.3f}"):
         return "-" if v is None else fmt.format(v)
 
-    lines = ["| config | B | tok/s | x plain (median) | range | acc/drafted | tok/step | c | mismatches |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| config | B | tok/s | x plain (median) | range | acc/drafted | tok/step | c | mismatches "
+             "| near-ties / probed |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         rng = (
             "-" if r["x_plain_range"] is None else f"{r['x_plain_range'][0]:.3f}-{r['x_plain_range'][1]:.3f}"
@@ -312,7 +316,8 @@ def table(rows: list[dict]) -> str:
             f"| {r['config']} | {r['batch']} | {f(r['tok_s_median'], '{:.0f}')} | {f(r['x_plain_median'])} "
             f"| {rng} "
             f"| {f(r['accepted_over_drafted'])} | {f(r['tokens_per_step'], '{:.2f}')} | {f(r['c_median'])} "
-            f"| {r['greedy_mismatches_or_failures']} |"
+            f"| {r['greedy_mismatches_or_failures']} "
+            f"| {r.get('near_ties', 0)} / {r.get('divergences_probed', 0)} |"
         )
     return "\n".join(lines)
 

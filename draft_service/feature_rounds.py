@@ -65,7 +65,8 @@ class FeatureRounds(GreedyRounds):
         events = self._start_timing()
         padded = next(b for b in self.batch_buckets if b >= n)
         max_len = self.runner.max_len
-        ctx = next((c for c in self.ctx_buckets if c >= max(bases) + width + k + 1), self.ctx_buckets[-1])
+        needed = max(bases) + width + k + 1
+        ctx = next((c for c in self.ctx_buckets if c >= needed), self.ctx_buckets[-1])
         static = self._static(padded, width)
         info = torch.tensor([index, bases, slots], dtype=torch.int64)
         idx, base, slot = info.to(self.device, non_blocking=True)
@@ -80,7 +81,7 @@ class FeatureRounds(GreedyRounds):
         static["last_index"][n:] = 0
         static["slots"][:n] = slot
         static["slots"][n:] = self.scratch_slot
-        result = self._replay(static, padded, width, k, ctx)[:n, :k]
+        result = self._replay(static, padded, width, k, ctx, needed)[:n, :k]
         return self._chained_result(torch.cat([result, fed, base[:, None]], dim=1), events, k)
 
     def _catch_up_forward(self, ids, pos, slots, ctx):

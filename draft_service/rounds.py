@@ -30,6 +30,11 @@ log = logging.getLogger("specsplit.draft")
 CATCH_UP_WIDTHS = (4, 16, 64)
 # Past this many tokens (a long prompt) one eager forward beats the replays.
 EAGER_CATCH_UP = 512
+# A round whose shape has no graph of its own replays a captured one that drafts more positions (the first
+# k are the same tokens), or else runs eagerly (a few ms); only a shape asked for this many times is
+# captured while serving. A capture stalls the step by 0.1-1 s: a policy trying k = 1..3 once each, or
+# one long catch-up, would otherwise pay it on the critical path.
+CAPTURE_AFTER = 16
 
 
 class ChainedRound:
@@ -83,6 +88,8 @@ class GreedyRounds:
         self.pair = torch.arange(2, device=self.device)  # a chained round's two positions, past its start
         self.use_graphs = use_graphs and self.device.type == "cuda"
         self.graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.stand_ins: dict[tuple[int, int, int, int], list[tuple[int, int, int, int]]] = {}
+        self.misses: dict[tuple[int, int, int, int], int] = {}
         self.inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # Catch-ups are requests' own rows (never branch rows): batch buckets up to max_batch.
@@ -239,25 +246,46 @@ class GreedyRounds:
         static["positions"].view(-1).copy_(flat[m : 2 * m])
         for i, name in enumerate(("slots", "last_index", "prefix_slots", "prefix_len")):
             static[name].copy_(flat[2 * m + i * padded : 2 * m + (i + 1) * padded])
-        out = self._replay(static, padded, width, k, ctx)[:n].tolist()
+        out = self._replay(static, padded, width, k, ctx, ctx_needed)[:n].tolist()
         if not r.top2:
             return out, None
         return [row[:k] for row in out], [row[k:] for row in out]
 
-    def _replay(self, static: dict[str, torch.Tensor], padded: int, width: int, k: int, ctx: int):
-        """The round on `static`'s inputs: its graph's replay (the eager round without graphs); returns the
-        [padded, k] (or [padded, 2k]) result on the device, not synchronised."""
+    def _replay(
+        self, static: dict[str, torch.Tensor], padded: int, width: int, k: int, ctx: int, needed: int
+    ) -> torch.Tensor:
+        """The round on `static`'s inputs (`needed`: the context its k positions reach) -> [padded, k] (or
+        [padded, 2k] with branches) on the device, not synchronised: its graph's replay, a graph that
+        drafts more positions (sliced), an eager round, or (CAPTURE_AFTER misses on) a new graph."""
         if not self.use_graphs:
             return self.round(static, k, ctx)
         key = (padded, width, k, ctx)
-        if key not in self.graphs:
+        found = key if key in self.graphs else self._stand_in(key, needed)
+        if found is None:
+            self.misses[key] = self.misses.get(key, 0) + 1
+            if self.misses[key] < CAPTURE_AFTER:
+                with eager_shapes():
+                    return self.round(static, k, ctx)
             log.warning("capturing a draft round graph while serving: batch %d, width %d, k %d, "
                         "context %d", *key)  # fmt: skip
             self.graphs[key] = self._capture(padded, width, k, ctx)
-        graph, result, per_replay = self.graphs[key]
+            self.stand_ins.clear()
+            found = key
+        graph, result, per_replay = self.graphs[found]
         graph.replay()
         add_comm_stats(per_replay)
-        return result
+        wider = found[2]
+        if wider == k:
+            return result
+        if self.runner.top2:  # drafted, then second choices
+            return torch.cat([result[:, :k], result[:, wider : wider + k]], dim=1)
+        return result[:, :k]
+
+    def _stand_in(self, key: tuple[int, int, int, int], needed: int) -> tuple[int, int, int, int] | None:
+        """The captured graph that serves `key` (`stand_in`; its candidates memoised per key)."""
+        if key not in self.stand_ins:
+            self.stand_ins[key] = wider_graphs(self.graphs, key)
+        return stand_in(self.stand_ins[key], key[2], needed, self.runner.max_len)
 
     @torch.inference_mode()
     def launch_chained(
@@ -308,7 +336,7 @@ class GreedyRounds:
             static[name][:n] = slot
             static[name][n:] = self.scratch_slot
         static["prefix_len"].zero_()
-        result = self._replay(static, padded, 2, k, ctx)[:n, :k]
+        result = self._replay(static, padded, 2, k, ctx, ctx_needed)[:n, :k]
         # What the round was fed goes back with its tokens: the verdict that reaches the draft later must
         # say the same (DraftState.apply_verdict checks it before it uses the round).
         out = torch.cat([result, static["input_ids"][:n], start[:, None]], dim=1)
@@ -330,3 +358,19 @@ class GreedyRounds:
         host.copy_(out, non_blocking=True)
         events[1].record(torch.cuda.current_stream(self.device))
         return ChainedRound(host, events, k)
+
+
+def wider_graphs(graphs, key: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """The `graphs` keys (batch, width, k, ctx) of the same batch and width as `key` drafting more than its
+    k positions, fewest positions first, then the smallest context."""
+    batch, width, k, _ = key
+    return sorted(
+        (g for g in graphs if g[0] == batch and g[1] == width and g[2] > k), key=lambda g: (g[2], g[3])
+    )
+
+
+def stand_in(candidates, k: int, needed: int, max_len: int) -> tuple[int, int, int, int] | None:
+    """The first of `candidates` (wider_graphs) whose context holds its k2 - k extra positions past
+    `needed` within max_len (its KV writes stay inside the cache), or None. Its first k drafted tokens are
+    the round's: each position depends only on the positions before it."""
+    return next((g for g in candidates if needed + g[2] - k <= min(g[3], max_len)), None)

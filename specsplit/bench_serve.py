@@ -9,7 +9,9 @@ Reports (printed, and as JSON with --result-json): requests/s, output tokens/s, 
 (mean, p50, p90, p99 in ms), draft acceptance, and failed requests by gRPC status. With
 --check-greedy, every greedy request is run again with speculation off (k = 0) after the timed run
 and the token sequences must be equal (the lossless check; mismatches are counted and fail the exit
-code).
+code). Each mismatch (up to 20) is probed where it first diverges: the request decoded alone up to that
+token with top-2 logprobs says whether the two outputs took the target's two best candidates at a
+near-tie (`greedy_check.divergences`).
 
 Needs only the client install (grpcio, protobuf).
 """
@@ -30,6 +32,7 @@ from typing import Any, TextIO
 
 from specsplit._channel import TLSConfig
 from specsplit.aio import AsyncClient
+from specsplit.client import TokenLogprob
 from specsplit.errors import APIError, SpecSplitError
 
 PERCENTILES = (50, 90, 99)
@@ -209,7 +212,8 @@ async def run_load(
 async def check_greedy(
     client: AsyncClient, prompts: list[Prompt], outcomes: list[Outcome], options: dict[str, Any], conc: int
 ) -> dict[str, Any]:
-    """Runs each successful request again with k = 0: speculative output must equal plain decoding."""
+    """Runs each successful request again with k = 0: speculative output must equal plain decoding. Each
+    mismatch is then probed where it first diverges (`divergence`), at most MAX_PROBES of them."""
     plain_options = dict(options, num_speculative_tokens=0)
     limit = asyncio.Semaphore(conc)
     checked = [i for i, o in enumerate(outcomes) if o.ok]
@@ -219,8 +223,58 @@ async def check_greedy(
             return await one_request(client, prompts[i], plain_options)
 
     refs = await asyncio.gather(*(plain(i) for i in checked))
-    mismatches = [i for i, ref in zip(checked, refs) if not ref.ok or ref.token_ids != outcomes[i].token_ids]
-    return {"checked": len(checked), "mismatches": len(mismatches), "mismatched_requests": mismatches[:20]}
+    bad = [(i, ref) for i, ref in zip(checked, refs) if not ref.ok or ref.token_ids != outcomes[i].token_ids]
+    probes = [
+        await divergence(client, prompts[i], outcomes[i].token_ids, ref.token_ids, plain_options)
+        for i, ref in bad[:MAX_PROBES]
+        if ref.ok
+    ]
+    return {
+        "checked": len(checked),
+        "mismatches": len(bad),
+        "mismatched_requests": [i for i, _ in bad][:20],
+        "divergences": probes,
+    }
+
+
+# Mismatches probed per check, and the top-2 gap (nats) under which a divergence counts as a near-tie:
+# a bf16 logit of magnitude 16-32 has an ulp of 0.125, so two kernels that sum in another order can swap
+# candidates closer than about one ulp.
+MAX_PROBES, NEAR_TIE_NATS = 20, 0.1
+
+
+async def divergence(
+    client: AsyncClient, p: Prompt, spec: list[int], ref: list[int], plain_options: dict[str, Any]
+) -> dict[str, Any]:
+    """Where a speculative output first differs from the plain one, and how close the target's top two
+    candidates were there: the request decoded alone (k = 0) up to that position with top-2 logprobs.
+    `near_tie`: the two outputs' tokens there are the target's top two and their log-probabilities are
+    within NEAR_TIE_NATS (a floating-point tie, not a verification error)."""
+    at = next((j for j, (a, b) in enumerate(zip(spec, ref)) if a != b), min(len(spec), len(ref)))
+    out: dict[str, Any] = {"position": at, "speculative": spec[at : at + 1], "plain": ref[at : at + 1]}
+    if at >= min(len(spec), len(ref)):
+        out["near_tie"] = False  # one output is a prefix of the other: a length difference, no token swap
+        return out
+    lps: list[TokenLogprob] = []
+    ids: list[int] = []
+    options = dict(plain_options, logprobs=2)
+    try:
+        async with client.stream(p.prompt, max_new_tokens=at + 1, **options) as stream:
+            async for delta in stream:
+                ids.extend(delta.token_ids)
+                lps.extend(delta.logprobs)
+    except (APIError, SpecSplitError) as exc:
+        out["error"] = type(exc).__name__
+        out["near_tie"] = False
+        return out
+    if ids[:at] != ref[:at] or len(lps) <= at or len(lps[at].top) < 2:
+        out["near_tie"] = False  # alone, the request took another path before the position
+        out["alone"] = "diverged earlier"
+        return out
+    (id1, lp1), (id2, lp2) = lps[at].top[:2]
+    out.update(top2=[id1, id2], gap_nats=lp1 - lp2)
+    out["near_tie"] = {spec[at], ref[at]} == {id1, id2} and lp1 - lp2 <= NEAR_TIE_NATS
+    return out
 
 
 def report(outcomes: list[Outcome], duration: float, args: argparse.Namespace) -> dict[str, Any]:

@@ -77,7 +77,12 @@ def test_bench_serve_against_live_services(demo_models, tmp_path):
             "--check-greedy",
         )
         assert r["completed"] == 16 and r["failed"] == 0 and r["errors"] == {}
-        assert r["greedy_check"] == {"checked": 16, "mismatches": 0, "mismatched_requests": []}
+        assert r["greedy_check"] == {
+            "checked": 16,
+            "mismatches": 0,
+            "mismatched_requests": [],
+            "divergences": [],
+        }
         assert r["drafted_tokens"] > 0 and r["accepted_tokens"] > 0, "speculation ran"
         assert 0 < r["acceptance_rate"] <= 1
         assert r["finish_reasons"] == {"length": 16}
@@ -116,3 +121,42 @@ def test_bench_serve_against_live_services(demo_models, tmp_path):
             timeout=120,
         )
         assert proc.returncode == 1 and "INVALID_ARGUMENT" in proc.stdout, proc
+
+
+@pytest.mark.slow
+def test_divergence_probe_reports_the_top2_gap_where_outputs_part(demo_models, tmp_path):
+    """bench-serve's probe of a greedy mismatch, on a live target: an output that takes the target's
+    second candidate at position j is found at j, with the top-2 gap the target's own logprobs give;
+    one that takes any other token there is not a near-tie."""
+    import asyncio
+
+    from specsplit.aio import AsyncClient
+
+    target = start_target(demo_models.target, tmp_path, None, "--max-context-length", "128").wait_ready()
+    prompt = bench_serve.Prompt([5, 6, 7, 8], 12)
+    options = {"temperature": 0.0, "num_speculative_tokens": 0}
+
+    async def probe() -> tuple[list, list, dict, dict]:
+        async with AsyncClient(target.address) as client:
+            ids, lps = [], []
+            async with client.stream(prompt.prompt, max_new_tokens=12, logprobs=2, **options) as stream:
+                async for delta in stream:
+                    ids.extend(delta.token_ids)
+                    lps.extend(delta.logprobs)
+            j = 5
+            second = lps[j].top[1][0]
+            swapped = [*ids[:j], second, *ids[j + 1 :]]
+            other = next(t for t in range(100) if t not in (ids[j], second))
+            wrong = [*ids[:j], other]
+            a = await bench_serve.divergence(client, prompt, swapped, ids, options)
+            b = await bench_serve.divergence(client, prompt, wrong, ids, options)
+            return ids, lps, a, b
+
+    with running(target):
+        ids, lps, swapped, wrong = asyncio.run(probe())
+    gap = lps[5].top[0][1] - lps[5].top[1][1]
+    assert swapped["position"] == 5 and swapped["plain"] == [ids[5]]
+    assert swapped["top2"] == [ids[5], lps[5].top[1][0]]
+    assert swapped["gap_nats"] == pytest.approx(gap, abs=1e-5)
+    assert swapped["near_tie"] == (gap <= bench_serve.NEAR_TIE_NATS)
+    assert wrong["position"] == 5 and wrong["near_tie"] is False
