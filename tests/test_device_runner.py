@@ -73,3 +73,24 @@ def test_transfer_installs_two_files_split_side_by_side_into_the_model_cache(tmp
         assert installed.read_bytes() == src.read_bytes()
         stamp = installed.with_name(installed.name + ".sha256").read_text().strip()
         assert stamp == gguf_chunks.sha256(src)
+
+
+def test_device_tree_moves_unneeded_draft_weights_aside_and_back(tmp_path):
+    """bench/device_tree.sh: a call that needs one draft carries only its weights; `back` restores all."""
+    root, stash = tmp_path / "repo", tmp_path / "aside"
+    for name, size in (("big", 5000), ("wanted", 700), ("other", 900)):
+        (root / "drafts" / name).mkdir(parents=True)
+        (root / "drafts" / name / "model.safetensors").write_bytes(os.urandom(size))
+        (root / "drafts" / name / "config.json").write_text("{}")
+    before = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    env = {**os.environ, "ROOT": str(root), "STASH": str(stash)}
+    script = str(ROOT / "bench" / "device_tree.sh")
+    run = subprocess.run(["bash", script, "aside", "wanted"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    left = sorted(str(p.relative_to(root)) for p in root.rglob("model.safetensors"))
+    assert left == ["drafts/wanted/model.safetensors"]
+    assert (root / "drafts" / "big" / "config.json").exists()  # only weights move
+    assert f"{700 + 3 * 2} bytes" in run.stdout  # what stays: the wanted weights and the configs
+    run = subprocess.run(["bash", script, "back"], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
