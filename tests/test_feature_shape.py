@@ -158,3 +158,32 @@ def test_reduced_vocab_draft_keeps_the_target_head_rows_and_serves_losslessly(
         )
     assert sum(r.usage.drafted_tokens for r in spec) > 0
     assert sum(r.usage.accepted_tokens for r in spec) > 0
+
+
+def test_shipped_qwen_coder_draft_is_a_reduced_vocab_feature_draft_of_its_target() -> None:
+    """drafts/qwen2.5-coder-1.5b-instruct-feature without its 1.1 GB target: the config and the stored
+    tensors agree (one layer reading three target layers, a narrow MLP, a 32768-token head whose rows the
+    loader reads from the target through d2t), and d2t maps onto distinct target ids in increasing order."""
+    from safetensors import safe_open
+
+    from common.config import ModelConfig
+
+    draft_dir = Path(__file__).resolve().parents[1] / "drafts" / "qwen2.5-coder-1.5b-instruct-feature"
+    raw = json.loads((draft_dir / "config.json").read_text())
+    cfg = ModelConfig.from_dict(raw)
+    assert cfg.feature_layers == (2, 14, 25) and cfg.num_hidden_layers == 1
+    assert (cfg.vocab_size, cfg.draft_vocab_size, cfg.intermediate_size) == (151936, 32768, 1792)
+    assert raw["shared_weights"] == {"path": "qwen2.5-coder-1.5b-instruct", "lm_head_rows": "d2t",
+                                     "tensors": ["lm_head.weight", "model.embed_tokens.weight"]}  # fmt: skip
+    assert (draft_dir / "model.safetensors").stat().st_size <= 64 * 10**6
+    with safe_open(str(draft_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        d2t = f.get_tensor("d2t")
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in names}
+    assert not names & {"lm_head.weight", "model.embed_tokens.weight"}
+    ids = torch.arange(32768) + d2t
+    assert bool((ids[1:] > ids[:-1]).all()) and 0 <= int(ids[0]) and int(ids[-1]) < 151936
+    assert shapes["model.fc.weight"] == (1536, 3 * 1536)
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (1536, 1792)
+    eval_k4 = json.loads((draft_dir / "eval.json").read_text())["drafts"]["feature"]["k4"]
+    assert eval_k4["alpha"] > 0.6 and eval_k4["rounds"] > 500
