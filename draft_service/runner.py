@@ -72,7 +72,7 @@ class DraftRunner:
             self.rounds: GreedyRounds = FeatureRounds(
                 self, config.max_batch_size, max_rows, config.cuda_graphs, target_features
             )
-            # The default k after any verdict (1..k + 1 tokens); other ks are captured when first asked.
+            # The default k after any verdict (1..k + 1 tokens); a smaller k replays these (`_replay`).
             ks, widths = (
                 [config.num_speculative_tokens],
                 self.rounds.widths[: config.num_speculative_tokens + 1],
