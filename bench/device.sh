@@ -256,12 +256,16 @@ feature() {
 
 # Qwen2.5-Coder-1.5B-Instruct on coding prompts: plain, its feature draft in the target (adaptive, fixed
 # k = 4), never-right, the 0.5B as a classic draft, and the feature draft as its own service at 1 stream.
-# TARGET, CLASSIC and DRAFT replace the models (paths).
+# The draft is the one qwen-train made on this machine, else the shipped one; TARGET, CLASSIC and DRAFT
+# replace the models (paths).
 qwen-bench() {
   local target=${TARGET:-} classic=${CLASSIC:-}
   [[ -n $target ]] || target=$(model_file qwen2.5-coder-1.5b-instruct) || return 4
   [[ -n $classic ]] || classic=$(model_file qwen2.5-coder-0.5b-instruct) || return 4
-  pairs qwen-bench --target "$target" --classic "$classic" --draft "${DRAFT:-/tmp/qwen-train/run/run/draft}" \
+  local draft=${DRAFT:-/tmp/qwen-train/run/run/draft}
+  # no draft trained on this machine: the shipped one (its weights must travel: bench/device_tree.sh)
+  [[ -n ${DRAFT:-} || -d $draft ]] || draft=drafts/qwen2.5-coder-1.5b-instruct-feature
+  pairs qwen-bench --target "$target" --classic "$classic" --draft "$draft" \
     --prompts coding --configs plain adaptive fixed never classic remote "$@"
 }
 
