@@ -337,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--output-len", type=int, default=192, help="max new tokens per request")
     ap.add_argument("--prompts-at-1", type=int, default=12, help="requests of a one-stream run")
-    ap.add_argument("--waves", type=int, default=2, help="requests per stream of a multi-stream run")
+    # Several requests per stream: with two, a speculative run's last steps (requests finishing at
+    # different steps as their acceptance differs, the batch draining) weigh on its wall time.
+    ap.add_argument("--waves", type=int, default=6, help="requests per stream of a multi-stream run")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-context", type=int, default=1024, help="each target's --max-context-length")
