@@ -273,6 +273,12 @@ METRICS = (
         "CUDA graph captures (and the kernel compiles inside them) that a step paid at serving time.",
     ),
     MetricSpec(
+        "draft_eager_rounds",
+        Counter,
+        "draft_eager_rounds_total",
+        "Draft rounds run eagerly: no CUDA graph of their shape or one drafting more positions yet.",
+    ),
+    MetricSpec(
         "draft_reconnects", Counter, "draft_reconnects_total", "Reconnect attempts from target to draft."
     ),
     MetricSpec("generated_tokens", Counter, "generation_tokens_total", "Output tokens streamed to clients."),

@@ -90,6 +90,7 @@ class GreedyRounds:
         self.graphs: dict[tuple[int, int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.stand_ins: dict[tuple[int, int, int, int], list[tuple[int, int, int, int]]] = {}
         self.misses: dict[tuple[int, int, int, int], int] = {}
+        self.eager_rounds = self.serving_captures = 0  # rounds with no graph: run eagerly, captured
         self.inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # Catch-ups are requests' own rows (never branch rows): batch buckets up to max_batch.
@@ -264,8 +265,10 @@ class GreedyRounds:
         if found is None:
             self.misses[key] = self.misses.get(key, 0) + 1
             if self.misses[key] < CAPTURE_AFTER:
+                self.eager_rounds += 1
                 with eager_shapes():
                     return self.round(static, k, ctx)
+            self.serving_captures += 1
             log.warning("capturing a draft round graph while serving: batch %d, width %d, k %d, "
                         "context %d", *key)  # fmt: skip
             self.graphs[key] = self._capture(padded, width, k, ctx)

@@ -51,6 +51,7 @@ class SharedDraft:
         self.config = config
         self.state = state
         self.metrics = metrics
+        self._graphless = (0, 0)  # (eager rounds, captures while serving) already counted
         self.vocab_size = vocab_size
         self.gpus = frozenset(gpus)
         self.engine_lock = threading.Lock()  # one model, many target streams
@@ -62,6 +63,15 @@ class SharedDraft:
     def update_gauges(self) -> None:
         self.metrics.kv_slots_used.set(self.state.slots.num_used)
         self.metrics.running.set(self.state.slots.num_used)
+
+    def count_graphless(self, rounds) -> None:
+        """The rounds that ran with no CUDA graph of their own since the last message (eagerly, or captured
+        while serving: GreedyRounds._replay) go to their counters."""
+        seen, now = self._graphless, (rounds.eager_rounds, rounds.serving_captures)
+        if now != seen:
+            self.metrics.draft_eager_rounds.inc(now[0] - seen[0])
+            self.metrics.serving_captures.inc(now[1] - seen[1])
+            self._graphless = now
 
 
 class DraftStream:
@@ -223,6 +233,7 @@ class DraftStream:
         for seconds in state.chained_seconds:
             metrics.draft_step.observe(seconds)
         state.chained_seconds.clear()
+        draft.count_graphless(state.runner.rounds)
         if targets:
             if state.round_ran:  # a round of the model, not only proposals drafted ahead
                 metrics.draft_step.observe(elapsed)

@@ -56,6 +56,7 @@ class Scheduler:
         self.runner = runner
         self.config = config
         self.metrics = metrics
+        self.captures_counted = 0  # runner.captures_at_serving already in the serving_captures metric
         self.link = link
         self.eos_ids = eos_ids
         self.session = DraftSession(link, metrics, config.draft_timeout, runner.feature_store)
@@ -230,6 +231,9 @@ class Scheduler:
         if self.session.draft_in_process and self.config.draft_chain and width > 1:
             chain = partial(self.session.chain, batch, drafts, width=width)
         result = self.runner.step(rows, width, self._hand_over_tokens, chain)  # verify
+        if self.runner.captures_at_serving != self.captures_counted:
+            self.metrics.serving_captures.inc(self.runner.captures_at_serving - self.captures_counted)
+            self.captures_counted = self.runner.captures_at_serving
         add_pending_logprobs(batch, result.logits, width, result.tokens)
         t3 = time.perf_counter()
         drafted_rows, accepted, finished, ask_seconds = self._commit(

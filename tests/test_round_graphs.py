@@ -40,6 +40,7 @@ def fake_rounds(top2: bool) -> GreedyRounds:
     r.use_graphs = True
     r.runner = SimpleNamespace(max_len=1024, top2=top2)
     r.graphs, r.stand_ins, r.misses = {}, {}, {}
+    r.eager_rounds = r.serving_captures = 0
     r.eager, r.captured = [], []
 
     def result(k: int) -> torch.Tensor:  # drafted tokens 10.., second choices 20..
@@ -70,10 +71,33 @@ def test_a_shape_without_any_graph_runs_eagerly_until_it_has_been_asked_often() 
     for _ in range(rounds.CAPTURE_AFTER - 1):
         assert r._replay({}, 1, 7, 4, 256, needed=50).tolist() == [[10, 11, 12, 13]]
     assert r.eager == [4] * (rounds.CAPTURE_AFTER - 1) and not r.captured
+    assert (r.eager_rounds, r.serving_captures) == (rounds.CAPTURE_AFTER - 1, 0)
     r._replay({}, 1, 7, 4, 256, needed=50)
-    assert r.captured == [(1, 7, 4, 256)]
+    assert r.captured == [(1, 7, 4, 256)] and r.serving_captures == 1
     r._replay({}, 1, 7, 4, 256, needed=50)
     assert r.graphs[(1, 7, 4, 256)][0].replays == 2 and len(r.eager) == rounds.CAPTURE_AFTER - 1
     # a new graph can stand in for narrower rounds of its shape at once
     assert r._replay({}, 1, 7, 3, 256, needed=50).tolist() == [[10, 11, 12]]
     assert r.graphs[(1, 7, 4, 256)][0].replays == 3
+
+
+def test_graphless_rounds_reach_the_draft_metrics() -> None:
+    """The draft's stream adds the rounds run eagerly and captured while serving to its counters, once."""
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics import ServiceMetrics
+    from draft_service.stream import SharedDraft
+
+    registry = CollectorRegistry()
+    stream = SimpleNamespace(metrics=ServiceMetrics("draft", "m", registry), _graphless=(0, 0))
+    counts = SimpleNamespace(eager_rounds=3, serving_captures=1)
+    for _ in range(2):  # the second call has nothing new
+        SharedDraft.count_graphless(stream, counts)
+    counts.eager_rounds = 5
+    SharedDraft.count_graphless(stream, counts)
+
+    def value(name: str) -> float:
+        return registry.get_sample_value(name, {"role": "draft", "model": "m"})
+
+    assert value("specsplit_draft_eager_rounds_total") == 5
+    assert value("specsplit_serving_captures_total") == 1
