@@ -61,6 +61,7 @@ class SimulatedRunner:
         self.step_costs: dict = {}
         self.executor = self  # prefill: executor.run("prefill", ...) does nothing here
         self.widths: list[int] = []  # the width of every step
+        self.captures_at_serving = 0  # no graphs to capture
 
     def run(self, *_args, **_kwargs) -> None:
         return None
