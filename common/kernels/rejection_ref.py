@@ -48,11 +48,13 @@ def verify_reference(
         target_logits, draft_token_ids, num_draft_tokens, temperature, seeds, positions,
         top_k, top_p, draft_probs, draft_topk_ids, draft_topk_probs,
     )  # fmt: skip
+    greedy = temperature <= 0
+    k = num_draft_tokens.long().clamp(0, max_k)
+    if bool(greedy.all()):  # no row samples: skip the random numbers and softmaxes (CPU serving)
+        return _verify_greedy(target_logits.float().view(batch, max_k + 1, -1), draft_token_ids, k)
     logits, inv_temp = prepare_target(target_logits, temperature, top_k, top_p)
     vocab = logits.shape[-1]
     logits = logits.float().view(batch, max_k + 1, vocab)
-    greedy = temperature <= 0
-    k = num_draft_tokens.long().clamp(0, max_k)
     vocab_ids = torch.arange(vocab, device=logits.device)
 
     out = torch.full((batch, max_k + 1), -1, dtype=torch.int64, device=logits.device)
@@ -99,6 +101,23 @@ def verify_reference(
         out[:, i] = torch.where(active, torch.where(accept, d, emitted), out[:, i])
         num_accepted += (active & accept).long()
         done |= ~accept
+    return VerifyResult(out.int(), num_accepted.int(), (num_accepted + 1).int())
+
+
+def _verify_greedy(logits: Tensor, draft_token_ids: Tensor, k: Tensor) -> VerifyResult:
+    """verify_reference when every row is greedy: logits [B, K + 1, V] fp32, draft_token_ids [B, K],
+    k [B] (clamped). The same tokens as the general loop: row i's argmax (NaN as -inf) accepts d_{i+1}
+    when they are equal and the row is neither bad nor past k; the first rejection emits the argmax."""
+    batch, width, vocab = logits.shape
+    bad_row = (logits.isnan() | (logits == float("inf"))).any(-1) | (logits == -float("inf")).all(-1)
+    argmax = logits.nan_to_num(nan=-float("inf")).argmax(-1)  # [B, K + 1]
+    drafts = torch.full((batch, width), -1, dtype=torch.int64, device=logits.device)
+    drafts[:, : width - 1] = draft_token_ids.long()
+    slot = torch.arange(width, device=logits.device)
+    accept = (slot < k[:, None]) & (drafts >= 0) & (drafts < vocab) & ~bad_row & (drafts == argmax)
+    num_accepted = accept.long().cumprod(-1).sum(-1)  # the accepted prefix
+    out = torch.where(slot < num_accepted[:, None], drafts, argmax)
+    out = torch.where(slot <= num_accepted[:, None], out, -1)
     return VerifyResult(out.int(), num_accepted.int(), (num_accepted + 1).int())
 
 

@@ -97,13 +97,65 @@ def build_feature_draft(
                 param.copy_(vocab_ids - torch.arange(len(vocab_ids)))
             elif name == "lm_head.weight" and vocab_ids is not None:
                 head = target.lm_head.weight  # the embedding of a tied target
-                param.copy_(head[vocab_ids.to(head.device)])
+                param.zero_()  # rows past the draft vocab pad it to a multiple of 64 (masked)
+                param[: len(vocab_ids)] = head[vocab_ids.to(head.device)]
             elif last in src:
                 param.copy_(src[last])
             else:
                 param.copy_(src[name])
             if param.is_floating_point():
                 param.requires_grad_(not name.startswith(("model.embed_tokens.", "lm_head.")))
+    return draft
+
+
+@torch.no_grad()
+def init_feature_draft(
+    path, target: Transformer, vocab_ids: Tensor | None = None, device="cpu"
+) -> FeatureDraft:
+    """A float32 feature draft starting from the trained one at `path` (its layer, fc, norms and Markov
+    head), to fine-tune or to re-export. With `vocab_ids` [N] (sorted target ids) its LM head keeps only
+    those rows (the target's, as build_feature_draft) and the Markov head's W2 the same rows of its own;
+    every kept id must be in the trained draft's vocab."""
+    from common.loader import load_model  # the loader imports the models this module trains
+
+    trained = load_model(path, Comm(), device=device, dtype=torch.float32)
+    if not isinstance(trained, FeatureDraft):
+        raise ValueError(f"--init-draft {path}: not a feature draft (its config has no feature_layers)")
+    if trained.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"--init-draft {path}: vocab {trained.config.vocab_size}, the target's is "
+                         f"{target.config.vocab_size}")  # fmt: skip
+    cfg = trained.config
+    if vocab_ids is not None:
+        if not 0 < len(vocab_ids) < cfg.vocab_size:
+            raise ValueError(f"--draft-vocab: {len(vocab_ids)} must be below the target's vocab")
+        cfg = dataclasses.replace(cfg, draft_vocab_size=len(vocab_ids), tie_word_embeddings=False)
+    draft = FeatureDraft(cfg, Comm(), dtype=torch.float32, device=device)
+    src = dict(trained.named_parameters())
+    # row r of the new head is target id vocab_ids[r]: its row in the trained draft's head (t2d)
+    old_rows = None
+    if vocab_ids is not None:
+        old_ids = torch.arange(cfg.vocab_size) if trained.d2t is None else trained.map_to_target(
+            torch.arange(len(trained.d2t), device=trained.d2t.device)).cpu()  # fmt: skip
+        t2d = torch.full((cfg.vocab_size,), -1, dtype=torch.int64)
+        t2d[old_ids] = torch.arange(len(old_ids))
+        old_rows = t2d[vocab_ids]
+        if bool((old_rows < 0).any()):
+            raise ValueError(f"--draft-vocab: {int((old_rows < 0).sum())} of the kept ids are outside "
+                             f"--init-draft {path}'s vocab")  # fmt: skip
+    for name, param in draft.named_parameters():
+        if name == "d2t" and vocab_ids is not None:
+            param.copy_(vocab_ids - torch.arange(len(vocab_ids)))
+        elif name == "lm_head.weight" and vocab_ids is not None:
+            head = target.lm_head.weight  # the embedding of a tied target
+            param.zero_()  # rows past the draft vocab pad it to a multiple of 64 (masked)
+            param[: len(vocab_ids)] = head[vocab_ids.to(head.device)]
+        elif name == "markov_head.markov_w2.weight" and old_rows is not None:
+            param.zero_()
+            param[: len(vocab_ids)] = src[name][old_rows.to(src[name].device)]
+        else:
+            param.copy_(src[name])
+        if param.is_floating_point():
+            param.requires_grad_(not name.startswith(("model.embed_tokens.", "lm_head.")))
     return draft
 
 

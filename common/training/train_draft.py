@@ -41,6 +41,7 @@ from common.training.feature_train import (
     build_feature_draft,
     draft_vocab_ids,
     feature_acceptance,
+    init_feature_draft,
     target_features,
     ttt_loss,
 )
@@ -352,6 +353,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="--kind feature: the draft's LM head covers only the N tokens the target most often predicts "
         "in the training answers (a d2t table maps them back); its rows are read from the target at load",
     )
+    ap.add_argument(
+        "--init-draft",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="--kind feature: start from this trained feature draft (its feature layers and Markov head) "
+        "instead of the target's last layer; with --draft-vocab its head keeps only those rows, and "
+        "--steps 0 re-exports it at once (then evaluated as any run)",
+    )
     ap.add_argument("--layers", type=int, default=2, help="draft transformer layers")
     ap.add_argument(
         "--init-layers",
@@ -448,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.init_draft is not None and args.kind != "feature":
+        parser.error("--init-draft: only with --kind feature (a trained feature draft to start from)")
     if args.self_instruct < 0:
         parser.error(f"--self-instruct: {args.self_instruct} is negative (instructions to answer, 0 = none)")
     deadline = time.monotonic() + (args.max_minutes * 60 if args.max_minutes else math.inf)
@@ -514,15 +526,25 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
         except ValueError as e:
             raise SystemExit(str(e)) from None
         log("draft_vocab", size=args.draft_vocab, coverage=round(coverage, 4))
-    draft = build_feature_draft(
-        target, layers, args.markov_rank, args.seed, args.device, args.draft_intermediate_size, sample,
-        vocab_ids,
-    )  # fmt: skip
+    if args.init_draft is not None:
+        try:
+            draft = init_feature_draft(args.init_draft, target, vocab_ids, args.device)
+        except (ValueError, FileNotFoundError) as e:
+            raise SystemExit(str(e)) from None
+        layers = tuple(draft.config.feature_layers)  # the trained draft's, whatever --feature-layers says
+        log("init_draft", path=str(args.init_draft), feature_layers=list(layers),
+            markov_rank=draft.config.markov_rank)  # fmt: skip
+    else:
+        draft = build_feature_draft(
+            target, layers, args.markov_rank, args.seed, args.device, args.draft_intermediate_size, sample,
+            vocab_ids,
+        )  # fmt: skip
+    use_markov = draft.config.markov_rank > 0
     heldout = held_out(args, target, tokenizer, chat, eos)
 
     def loss_fn(model, ids, tk_ids, tk_probs, mask):
         feats = target_features(target, ids, layers)
-        return ttt_loss(model, feats, ids, tk_ids, tk_probs, mask, args.ttt_depth, args.markov_rank > 0)
+        return ttt_loss(model, feats, ids, tk_ids, tk_probs, mask, args.ttt_depth, use_markov)
 
     def probe(model) -> dict:
         return {f"k{k}": feature_acceptance(model, target, *heldout, k).alpha for k in args.eval_k}
@@ -537,6 +559,7 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
         "ttt_depth": args.ttt_depth,
         "prompt_set": args.prompt_set,
         "draft_vocab": args.draft_vocab,
+        "init_draft": str(args.init_draft) if args.init_draft else None,
         "command": "specsplit train-draft " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     target_ref = target_reference(args.target, args.out / "draft", args.target_ref)
