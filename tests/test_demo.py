@@ -15,8 +15,9 @@ from specsplit.demo import FEATURE_DRAFT
 
 @pytest.mark.parametrize("which", [[], ["--classic"]], ids=["feature-draft", "classic-draft"])
 def test_demo_serves_smollm2_losslessly_with_drafts_accepted(which: list[str], tmp_path) -> None:
+    question = "Describe the life cycle of a butterfly."
     cmd = [sys.executable, "-m", "specsplit.cli", "demo", "--json", "--max-new-tokens", "24",
-           "--question", "Describe the life cycle of a butterfly.", "--models", str(tmp_path), *which]  # fmt: skip
+           "--question", question, "--models", str(tmp_path), *which]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout)

@@ -212,6 +212,8 @@ def test_init_draft_reduces_a_trained_drafts_vocab_keeping_its_logits(target, tm
     config = json.loads((tmp_path / "reduced" / "draft" / "config.json").read_text())
     assert config["draft_vocab_size"] == 160 and config["shared_weights"]["lm_head_rows"] == "d2t"
     assert config["markov_rank"] == 8 and config["draft_training"]["init_draft"] == str(full_dir)
+    trained = json.loads((full_dir / "config.json").read_text())["draft_training"]
+    assert config["draft_training"]["init_draft_training"] == trained and trained["steps"] == 4
     table = json.loads((tmp_path / "reduced" / "eval.json").read_text())["drafts"]["feature"]
     assert table["k2"]["rounds"] > 0
 

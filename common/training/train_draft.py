@@ -511,6 +511,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def init_training(path: Path | None) -> dict | None:
+    """The draft_training record of --init-draft's config (None without one)."""
+    if path is None:
+        return None
+    return json.loads((path / "config.json").read_text()).get("draft_training")
+
+
 def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, deadline, argv) -> int:
     """`--kind feature`: train with training-time test, export, and measure held-out acceptance as served
     (feature_acceptance: real draft chains, not per-position agreement)."""
@@ -560,6 +567,8 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
         "prompt_set": args.prompt_set,
         "draft_vocab": args.draft_vocab,
         "init_draft": str(args.init_draft) if args.init_draft else None,
+        # how the draft it started from was trained (its config's draft_training), kept with it
+        "init_draft_training": init_training(args.init_draft),
         "command": "specsplit train-draft " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     target_ref = target_reference(args.target, args.out / "draft", args.target_ref)
