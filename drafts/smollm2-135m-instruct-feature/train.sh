@@ -6,7 +6,9 @@
 #   2. the draft: one layer over the target's streams entering layers 2, 15 and 27 (EAGLE-3's picks for
 #      30 layers) + a rank-32 Markov head, training-time test over 4 drafted positions, lr 2e-3, batch 48 x
 #      384 tokens, for at most TRAIN_MIN minutes (4.5: 1 497 steps), then the held-out acceptance at
-#      k = 1..6 as served (real draft chains; eval.json).
+#      k = 1..6 as served (real draft chains);
+#   3. the head: keep the VOCAB (8192) target tokens the data's answers predict most often, re-exported with
+#      no further steps (`--init-draft`), and the held-out table again (eval.json).
 #   GGUF=path/to/SmolLM2-135M-Instruct.Q4_1.gguf RUN=/tmp/feat drafts/smollm2-135m-instruct-feature/train.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -24,3 +26,7 @@ $PY -m common.training.train_draft --kind feature --target "$GGUF" --data-dir "$
   --max-len 384 --lr 2e-3 --markov-lr 3e-3 --warmup 150 --steps "${STEPS:-3000}" --log-every 100 \
   --save-every 1000 --max-minutes "${TRAIN_MIN:-4.5}" --export-partial --eval-prompts 24 \
   --eval-max-new-tokens 128 --eval-k 1,2,3,4,5,6 --save-dtype bfloat16 --target-ref "$REF"
+$PY -m common.training.train_draft --kind feature --target "$GGUF" --data-dir "$RUN/data" --existing-data-only \
+  --out "$RUN/reduced" --seed 0 --target-dtype bfloat16 --init-draft "$RUN/run/draft" \
+  --draft-vocab "${VOCAB:-8192}" --steps 0 --eval-prompts 24 --eval-max-new-tokens 128 --eval-k 1,2,3,4,5,6 \
+  --save-dtype bfloat16 --target-ref "$REF"
