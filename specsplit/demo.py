@@ -303,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
             # The target's own timings: the draft's round trip per speculative step, and the plain step.
             timed = {"round": [0.0, 0.0], "plain": [0.0, 0.0]}
 
-            def timed_generate(prompt: Any, k: int | None, which: str, metric: str, echo: bool) -> dict[str, Any]:
+            def timed_generate(
+                prompt: Any, k: int | None, which: str, metric: str, echo: bool
+            ) -> dict[str, Any]:
                 before = target.scrape()
                 out = generate(stub, prompt, args.max_new_tokens, k, echo=echo)
                 after = target.scrape()
