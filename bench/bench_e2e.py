@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.tiny import make_model_pair
 from common.training.measure import solve_alpha
+from specsplit.bench_serve import ideal_speedup
 from specsplit.launch import ServiceProcess, free_port, metric_sum, start_service
 from specsplit.v1 import sampling_pb2, target_pb2, target_pb2_grpc
 
@@ -279,10 +280,6 @@ def divergence_margins(target_dir: Path, device: str, mismatches, top: int = 2) 
             )  # fmt: skip
         del model
     return out
-
-
-def ideal_speedup(mean_accepted: float, k: int, c: float) -> float:
-    return (1 + mean_accepted) / (k * c + 1)
 
 
 def median_spread(values: list[float]) -> dict:

@@ -60,6 +60,12 @@ class Outcome:
     steps: int = 0
 
 
+def ideal_speedup(mean_accepted: float, k: int, c: float) -> float:
+    """Speculation's speedup with no overhead: 1 + E[a] tokens per step (E[a]: drafted tokens accepted per
+    step) for a step costing 1 + k·c plain steps (c: one drafted position over one plain step)."""
+    return (1 + mean_accepted) / (k * c + 1)
+
+
 def percentile(values: list[float], q: float) -> float:
     """Linear-interpolated percentile (numpy's default), without numpy: the client install has none."""
     if not values:

@@ -31,7 +31,8 @@ from typing import Any
 
 import grpc
 
-from specsplit.launch import metric_sum, start_service
+from specsplit.bench_serve import ideal_speedup
+from specsplit.launch import ServiceProcess, metric_sum, start_service
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, sampling_pb2, target_pb2, target_pb2_grpc
 
 DEFAULT_PROMPT = "Speculative decoding splits one model into a fast guess and a careful check."
@@ -113,14 +114,21 @@ def make_smollm2_models(root: Path, layers: tuple[int, ...] = DEMO_DRAFT_LAYERS)
     return target, draft
 
 
+# The target's histograms c is computed from: the draft's round trip per speculative step, the plain step.
+ROUND_TRIP, STEP = "specsplit_draft_round_trip_seconds", "specsplit_verify_step_seconds"
+TIMINGS = (ROUND_TRIP, STEP)
+
+
 def generate(
     stub: target_pb2_grpc.TargetServiceStub,
     prompt: str | list[dict[str, str]],
     max_new_tokens: int,
     k: int | None,
     echo: bool,
+    timed: ServiceProcess | None = None,
 ) -> dict[str, Any]:
-    """Greedy; a chat prompt (messages) stops at the template's end-of-turn, a text prompt runs on."""
+    """Greedy; a chat prompt (messages) stops at the template's end-of-turn, a text prompt runs on. With
+    `timed` (the target), also the [sum, count] deltas of its TIMINGS histograms over the request."""
     req = target_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens,
         ignore_eos=isinstance(prompt, str),
@@ -132,6 +140,7 @@ def generate(
         req.messages.messages.extend(target_pb2.ChatMessage(**m) for m in prompt)
     if k is not None:
         req.num_speculative_tokens = k
+    before = timed.scrape() if timed else {}
     t0 = time.perf_counter()
     ids: list[int] = []
     text = []
@@ -151,13 +160,26 @@ def generate(
     if echo:
         print(flush=True)
     assert usage is not None
-    return {
+    out: dict[str, Any] = {
         "ids": ids,
         "text": "".join(text),
         "usage": usage,
         "tpot": (last - first) / max(1, len(ids) - 1),
         "seconds": time.perf_counter() - t0,
     }
+    if timed:
+        after = timed.scrape()
+        for name in TIMINGS:
+            out[name] = [
+                metric_sum(after, name + s) - metric_sum(before, name + s) for s in ("_sum", "_count")
+            ]
+    return out
+
+
+def mean_seconds(runs: list[dict[str, Any]], name: str) -> float:
+    """The mean of histogram `name` over these runs' deltas (0 when none was observed)."""
+    total, count = (sum(r[name][i] for r in runs) for i in (0, 1))
+    return total / count if count else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,28 +322,13 @@ def main(argv: list[str] | None = None) -> int:
             policy = f"{args.speculation_policy} k={args.num_speculative_tokens}"
             say(f"\n--- speculative ({policy}, {info.draft_method}) ---")
             specs, plains = [], []
-            # The target's own timings: the draft's round trip per speculative step, and the plain step.
-            timed = {"round": [0.0, 0.0], "plain": [0.0, 0.0]}
-
-            def timed_generate(
-                prompt: Any, k: int | None, which: str, metric: str, echo: bool
-            ) -> dict[str, Any]:
-                before = target.scrape()
-                out = generate(stub, prompt, args.max_new_tokens, k, echo=echo)
-                after = target.scrape()
-                for i, name in enumerate((metric + "_sum", metric + "_count")):
-                    timed[which][i] += metric_sum(after, name) - metric_sum(before, name)
-                return out
-
             for prompt in prompts:
                 if not isinstance(prompt, str):
                     say(f"> {prompt[-1]['content']}")
-                specs.append(
-                    timed_generate(prompt, None, "round", "specsplit_draft_round_trip_seconds", not args.json)
-                )
+                specs.append(generate(stub, prompt, args.max_new_tokens, None, not args.json, target))
                 # Plain decoding (k=0) of the same prompt right after: interleaved, so a slow spell of
                 # the machine costs both sides alike. A k=0 request never calls the draft.
-                plains.append(timed_generate(prompt, 0, "plain", "specsplit_verify_step_seconds", False))
+                plains.append(generate(stub, prompt, args.max_new_tokens, 0, False, target))
             draft_after = draft.scrape()
         with grpc.insecure_channel(f"127.0.0.1:{draft.port}") as channel:
             dinfo = draft_pb2_grpc.DraftServiceStub(channel).GetDraftInfo(
@@ -351,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     k = args.num_speculative_tokens
     mean_accepted = total(specs, "accepted_tokens") / steps
     # c: the draft's time on the target's critical path per drafted position, over a plain step.
-    draft_cost = (timed["round"][0] / max(1.0, timed["round"][1])) / max(1, k)
-    draft_cost /= max(1e-9, timed["plain"][0] / max(1.0, timed["plain"][1]))
+    draft_cost = mean_seconds(specs, ROUND_TRIP) / max(1, k) / max(1e-9, mean_seconds(plains, STEP))
     summary = {
         "lossless": all(s["ids"] == p["ids"] for s, p in zip(specs, plains)),
         "output_tokens": total(specs, "output_tokens"),
@@ -363,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain_tpot_seconds": mean_tpot(plains),
         "speedup": sum(p["seconds"] for p in plains) / sum(s["seconds"] for s in specs),
         "draft_cost": draft_cost,
-        "ideal_speedup": (1 + mean_accepted) / (k * draft_cost + 1),
+        "ideal_speedup": ideal_speedup(mean_accepted, k, draft_cost),
         "draft_tp_size": dinfo.tp_size,
         "target_tp_size": info.target_tp_size,
         "draft_method": dinfo.method,
