@@ -16,7 +16,8 @@
 #   bench/device.sh profile-feature               what a feature draft's step costs, on random weights of
 #                                                 real shapes (PRESETS="smollm2 qwen1.5b")
 #   bench/device.sh qwen-train                    drafts/qwen2.5-coder-1.5b-instruct-feature/train.sh
-#                                                 in the background (after transfer; call until done)
+#                                                 in the background (after transfer; call until done;
+#                                                 INIT=drafts/qwen... : stage B from the shipped draft)
 #   bench/device.sh qwen-bench [pair_bench flags] Qwen2.5-Coder-1.5B + its feature draft (in the target,
 #                                                 as a service), the 0.5B classic draft, never-right:
 #                                                 bench/pair_bench.py on coding prompts (CONFIGS, BATCHES)
@@ -208,7 +209,8 @@ train() {
 }
 
 # The Qwen coder's feature draft (/tmp/qwen-train/run/run/draft once done); packs the draft into $OUT
-# (qwen-draft.tar.part-*: rejoin with cat), its eval.json and the run log's tail (qwen-train.txt).
+# (qwen-draft.tar.part-*: rejoin with cat), its eval.json and the run log's tail (qwen-train.txt). With
+# INIT (a path in this tree, e.g. the shipped draft) the recipe runs only its stage B from that draft.
 qwen-train() {
   GGUF=$(model_file qwen2.5-coder-1.5b-instruct) || return 4
   export GGUF
@@ -216,8 +218,9 @@ qwen-train() {
   local rc=$? run=/tmp/qwen-train/run/run
   [[ $rc == 3 ]] && return 3
   cp "$run/eval.json" "$OUT/qwen-eval.json" 2>/dev/null
-  grep '"event": "\(data\|self_instruct\|time_limit\|done\)"' /tmp/qwen-train/run/*/train.log 2>/dev/null \
-    | tail -n 8 >> "$OUT/qwen-train.txt"
+  grep -h '"event": "\(data\|data_shard\|self_instruct\|init_draft\|time_limit\|done\)"' \
+    /tmp/qwen-train/run/*/train.log /tmp/qwen-train/run/data-more-run/*/train.log 2>/dev/null \
+    | cut -c1-600 | tail -n 14 >> "$OUT/qwen-train.txt"
   [[ -d $run/draft ]] && tar -C "$run" -cf - draft | split -b 15M - "$OUT/qwen-draft.tar.part-"
   return "$rc"
 }
@@ -255,18 +258,21 @@ feature() {
 }
 
 # Qwen2.5-Coder-1.5B-Instruct on coding prompts: plain, its feature draft in the target (adaptive, fixed
-# k = 4), never-right, the 0.5B as a classic draft, and the feature draft as its own service at 1 stream.
-# The draft is the one qwen-train made on this machine, else the shipped one; TARGET, CLASSIC and DRAFT
-# replace the models (paths).
+# k = 4), never-right, the 0.5B as a classic draft, and the feature draft as its own service at 1 stream
+# (adaptive and fixed). The draft is the one qwen-train made on this machine, else the shipped one;
+# TARGET, CLASSIC and DRAFT replace the models (paths); the 0.5B is needed only for the classic config.
 qwen-bench() {
-  local target=${TARGET:-} classic=${CLASSIC:-}
+  local target=${TARGET:-} classic=${CLASSIC:-} configs=${CONFIGS:-classic} extra=()
   [[ -n $target ]] || target=$(model_file qwen2.5-coder-1.5b-instruct) || return 4
-  [[ -n $classic ]] || classic=$(model_file qwen2.5-coder-0.5b-instruct) || return 4
+  if [[ " $configs " == *" classic "* ]]; then
+    [[ -n $classic ]] || classic=$(model_file qwen2.5-coder-0.5b-instruct) || return 4
+    extra=(--classic "$classic")
+  fi
   local draft=${DRAFT:-/tmp/qwen-train/run/run/draft}
   # no draft trained on this machine: the shipped one (its weights must travel: bench/device_tree.sh)
   [[ -n ${DRAFT:-} || -d $draft ]] || draft=drafts/qwen2.5-coder-1.5b-instruct-feature
-  pairs qwen-bench --target "$target" --classic "$classic" --draft "$draft" \
-    --prompts coding --configs plain adaptive fixed never classic remote "$@"
+  pairs qwen-bench --target "$target" "${extra[@]}" --draft "$draft" \
+    --prompts coding --configs plain adaptive fixed never classic remote remote-fixed "$@"
 }
 
 # ready PID PORT LOG: waits up to 300 s for the service's health to say SERVING; fails at once if it exits.

@@ -11,7 +11,8 @@ All targets start at once on one device (`--configs`, each its own process):
             logit 0: it drafts one token always);
   classic   a plain small LM as the draft inside the target (--classic), adaptive;
   remote    the feature draft as its own service (python -m draft_service) on the same device, the target
-            with --draft-address, adaptive; only at --remote-batches.
+            with --draft-address, adaptive; only at --remote-batches;
+  remote-fixed  the same with the fixed policy (k = --k every step).
 Then --repeats interleaved rounds: per round, per batch (streams), every config in turn runs bench-serve
 over the held-out prompts (--prompts: chat or coding, common/training/prompts.py, never trained on) with
 --check-greedy. Each run's JSON and its metric deltas go to --out as they finish; past --deadline-s no
@@ -47,7 +48,8 @@ from common.training.prompts import PROMPT_SETS  # noqa: E402
 from specsplit.catalog import CATALOG, cached_path, is_fetched  # noqa: E402
 from specsplit.launch import ServiceProcess, _samples, free_port, metric_sum, start_service  # noqa: E402
 
-CONFIGS = ("plain", "adaptive", "fixed", "never", "classic", "remote")
+CONFIGS = ("plain", "adaptive", "fixed", "never", "classic", "remote", "remote-fixed")
+REMOTE = ("remote", "remote-fixed")
 PROMPT_KINDS = {"chat": "general", "coding": "coding"}
 TARGET_SERIES = {
     "verify_sum": "specsplit_verify_step_seconds_sum",
@@ -116,7 +118,7 @@ def scrape(port: int) -> dict:
 
 
 class Config:
-    """One target (and the draft service of `remote`) under test; metrics_port of its draft, if any."""
+    """One target (and the draft service of a remote config) under test; metrics_port of its draft, if any."""
 
     def __init__(self, name: str, target: ServiceProcess, draft_port: int | None, draft=None):
         self.name, self.target, self.draft_port, self.draft = name, target, draft_port, draft
@@ -148,15 +150,16 @@ def start_configs(args, draft: Path | None, never: Path | None, logs: Path) -> d
             draft_port = free_port()
             extra = ["--draft-local", f"--model {model} --metrics-port {draft_port}",
                      "--speculation-policy", "fixed" if name == "fixed" else "adaptive"]  # fmt: skip
-        elif name == "remote":
+        elif name in REMOTE:
             draft_proc = start_service(
                 "draft_service",
                 ["--model", str(draft), "--device", args.device, "--dtype", args.dtype,
                  "--max-batch-size", str(max(args.batches))],
-                logs / "remote-draft.log",
+                logs / f"{name}-draft.log",
             )  # fmt: skip
             layers = json.loads((draft / "config.json").read_text())["feature_layers"]
-            extra = ["--draft-address", f"127.0.0.1:{draft_proc.port}", "--speculation-policy", "adaptive",
+            policy = "fixed" if name == "remote-fixed" else "adaptive"
+            extra = ["--draft-address", f"127.0.0.1:{draft_proc.port}", "--speculation-policy", policy,
                      "--draft-feature-layers", ",".join(map(str, layers))]  # fmt: skip
         started[name] = (
             start_service("target_service", common + extra, logs / f"{name}.log"),
@@ -200,7 +203,7 @@ def run(args) -> dict:
     if args.classic:
         args.classic = model_path(args.classic)
     draft = Path(args.draft) if args.draft else None
-    needs_draft = {"adaptive", "fixed", "never", "remote"} & set(args.configs)
+    needs_draft = {"adaptive", "fixed", "never", *REMOTE} & set(args.configs)
     if needs_draft and (draft is None or not (draft / "config.json").exists()):
         raise SystemExit(
             f"--draft: {args.draft!r} is no draft directory (configs {sorted(needs_draft)} need one)"
@@ -222,7 +225,7 @@ def run(args) -> dict:
         for rep in range(1, args.repeats + 1):
             for batch in args.batches:
                 for name, cfg in configs.items():
-                    if name == "remote" and batch not in args.remote_batches:
+                    if name in REMOTE and batch not in args.remote_batches:
                         continue
                     if time.monotonic() - t0 > args.deadline_s:
                         report["stopped"] = f"deadline {args.deadline_s} s before {name} b{batch} r{rep}"
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", choices=sorted(PROMPT_KINDS), default="chat", help="held-out prompt set")
     ap.add_argument("--configs", nargs="+", choices=CONFIGS, default=["plain", "adaptive", "fixed", "never"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64], help="concurrent streams")
-    ap.add_argument("--remote-batches", nargs="+", type=int, default=[1], help="batches of the remote config")
+    ap.add_argument("--remote-batches", nargs="+", type=int, default=[1], help="remote configs' batches")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument(
         "--k", type=int, default=4, help="draft tokens per step (fixed; the adaptive policy's most)"

@@ -285,3 +285,39 @@ def test_negative_self_instruct_is_refused_naming_the_flag(capsys) -> None:
     with pytest.raises(SystemExit):
         train_draft_main(["--target", "nowhere", "--out", "nowhere", "--self-instruct", "-3"])
     assert "--self-instruct: -3 is negative" in capsys.readouterr().err
+
+
+def test_data_shards_make_the_same_parts_as_one_run(tmp_path: Path) -> None:
+    """--data-shard I/N: N runs on one data directory make exactly the parts one run makes (each batch
+    seeded by its index), and the run that trains reads them all; a shard past 0 does not write the
+    self-instruct prompts itself, and a shard needs --data-only."""
+    target = make_tiny_model(tmp_path / "target", seed=0, num_layers=2, vocab_size=256, hidden_size=32)
+    args = ["--target", str(target), "--device", "cpu", "--seed", "5", "--num-prompts", "20",
+            "--max-new-tokens", "6", "--temperatures", "0,0.7", "--gen-batch-size", "8",
+            "--data-only"]  # fmt: skip
+    assert train_draft_main([*args, "--out", str(tmp_path / "one")]) == 0
+    for shard in ("1/2", "0/2"):
+        assert train_draft_main([*args, "--out", str(tmp_path / "two"), "--data-shard", shard]) == 0
+    one = sorted((tmp_path / "one" / "data").glob("part-*.safetensors"))
+    two = sorted((tmp_path / "two" / "data").glob("part-*.safetensors"))
+    assert [p.name for p in one] == [p.name for p in two] and len(one) == 5  # 40 answers, 8 per batch
+    assert not list((tmp_path / "two" / "data").glob("*.partial"))
+    for a, b in zip(one, two):
+        with safe_open(str(a), "pt") as fa, safe_open(str(b), "pt") as fb:
+            assert sorted(fa.keys()) == sorted(fb.keys())
+            for key in fa.keys():
+                assert torch.equal(fa.get_tensor(key), fb.get_tensor(key)), (a.name, key)
+    logged = [e for e in map(json.loads, (tmp_path / "two" / "train.log").read_text().splitlines())
+              if e["event"] == "data_shard"]  # fmt: skip
+    assert [(e["shard"], e["parts"]) for e in logged] == [(1, 2), (0, 3)]
+    with pytest.raises(SystemExit, match=r"--data-shard 1/2: shard 0 writes the self-instruct prompts"):
+        train_draft_main([*args, "--out", str(tmp_path / "3"), "--data-shard", "1/2", "--self-instruct", "2"])
+    with pytest.raises(SystemExit):
+        train_draft_main([*args[:-1], "--out", str(tmp_path / "4"), "--data-shard", "0/2"])
+
+
+@pytest.mark.parametrize("text", ["2/2", "1", "a/3", "-1/2"])
+def test_bad_data_shard_is_refused_naming_the_flag(text: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        train_draft_main(["--target", "nowhere", "--out", "nowhere", "--data-shard", text])
+    assert "--data-shard" in capsys.readouterr().err

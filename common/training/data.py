@@ -43,6 +43,8 @@ class Sequences:
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
 
     def save(self, path: Path) -> None:
+        """Written to a side file, then renamed: a reader (another data shard's run) never sees half."""
+        partial = path.with_name(path.name + ".partial")
         save_file(
             {
                 "tokens": self.tokens,
@@ -51,8 +53,9 @@ class Sequences:
                 "topk_probs": self.topk_probs.half(),
                 "trained": self.trained.to(torch.uint8),
             },
-            str(path),
+            str(partial),
         )
+        partial.replace(path)
 
     @classmethod
     def load(cls, path: Path) -> Sequences:

@@ -103,13 +103,18 @@ def self_instructed(args, target, tokenizer, chat: bool, eos: set[int], log: Run
         return saved["prompts"]
     if not args.self_instruct or args.existing_data_only:
         return []
+    if args.data_shard[0]:
+        raise SystemExit(f"--data-shard {args.data_shard[0]}/{args.data_shard[1]}: shard 0 writes the "
+                         f"self-instruct prompts; start this one once {path} exists")  # fmt: skip
     t0 = time.monotonic()
     prompts, counts = self_instruct_prompts(
         target, tokenizer, lambda texts: prompt_ids(tokenizer, texts, chat), eos, args.self_instruct,
         args.seed, args.gen_batch_size, args.prompt_set,
     )  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**counts, "seed": args.seed, "prompts": prompts}, indent=1) + "\n")
+    partial = path.with_suffix(".partial")  # renamed whole: a shard waiting for the file never reads half
+    partial.write_text(json.dumps({**counts, "seed": args.seed, "prompts": prompts}, indent=1) + "\n")
+    partial.replace(path)
     log("self_instruct", seconds=round(time.monotonic() - t0, 1), **counts)
     return prompts
 
@@ -127,10 +132,13 @@ def make_data(args, target: Transformer, prompts: list[list[int]], eos: set[int]
     batches = [jobs[i : i + args.gen_batch_size] for i in range(0, len(jobs), args.gen_batch_size)]
     data_dir = args.data_dir or args.out / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    done = sum((data_dir / f"part-{i:05d}.safetensors").exists() for i in range(len(batches)))
-    bar = progress(len(batches), done, "data") if done < len(batches) else None
+    shard, shards = args.data_shard
+    mine = [i for i in range(len(batches)) if i % shards == shard]
+    done = sum((data_dir / f"part-{i:05d}.safetensors").exists() for i in mine)
+    bar = progress(len(mine), done, "data") if done < len(mine) else None
     device = target.model.embed_tokens.weight.device
-    for i, batch in enumerate(batches):
+    for i in mine:
+        batch = batches[i]
         part = data_dir / f"part-{i:05d}.safetensors"
         if part.exists() or args.existing_data_only:
             continue
@@ -147,6 +155,9 @@ def make_data(args, target: Transformer, prompts: list[list[int]], eos: set[int]
             bar.update(1)
     if bar is not None:
         bar.close()
+    if shards > 1:  # the other shards may still be writing: the run that trains reads every part
+        log("data_shard", shard=shard, shards=shards, parts=len(mine))
+        return None
     parts = [p for i in range(len(batches)) if (p := data_dir / f"part-{i:05d}.safetensors").exists()]
     if not parts:
         raise SystemExit(f"--data-dir {data_dir}: no data parts (generate them without --existing-data-only)")
@@ -317,6 +328,17 @@ def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.replace(",", " ").split()]
 
 
+def parse_shard(text: str) -> tuple[int, int]:
+    """ "1/3" -> (1, 3): this process makes the data batches whose index is 1 modulo 3."""
+    try:
+        shard, shards = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not I/N (e.g. 0/3)") from None
+    if not 0 <= shard < shards:
+        raise argparse.ArgumentTypeError(f"{text!r}: I must be in 0..N-1")
+    return shard, shards
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="specsplit train-draft", description=__doc__.splitlines()[0])
     ap.add_argument("--target", type=Path, required=True, help="target checkpoint dir or .gguf file")
@@ -399,6 +421,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--gen-batch-size", type=int, default=256)
     ap.add_argument(
+        "--data-shard",
+        type=parse_shard,
+        default=(0, 1),
+        metavar="I/N",
+        help="with --data-only: make only the data batches whose index is I modulo N, so N processes "
+        "share one GPU and one --data-dir (start them once the self-instruct prompts are there)",
+    )
+    ap.add_argument(
         "--no-chat", action="store_true", help="plain prompts even when the target has a template"
     )
     # training
@@ -460,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.init_draft is not None and args.kind != "feature":
         parser.error("--init-draft: only with --kind feature (a trained feature draft to start from)")
+    if args.data_shard[1] > 1 and not args.data_only:
+        parser.error("--data-shard: only with --data-only (a later run with --existing-data-only trains)")
     if args.self_instruct < 0:
         parser.error(f"--self-instruct: {args.self_instruct} is negative (instructions to answer, 0 = none)")
     deadline = time.monotonic() + (args.max_minutes * 60 if args.max_minutes else math.inf)
