@@ -288,9 +288,9 @@ ready() {
 }
 
 # Where a feature draft's speculative step goes, on random weights (bench/synthetic_feature.py): a target
-# with no draft and one with the feature draft inside it at fixed k = 4, at 1 and 16 streams, each with its
-# step trace and both services' metrics scraped after the run; then steps of the 1-stream run under
-# torch.profiler (--profile-dir). Acceptance is about zero: cost only, not speedup.
+# with no draft and one with the feature draft inside it at fixed k = 4, at BATCHES streams (1 16 64), each
+# with its step trace and both services' metrics scraped after the run; then steps of the 1-stream run
+# under torch.profiler (--profile-dir). Acceptance is about zero: cost only, not speedup.
 profile-feature() {
   local r=/tmp/profile-feature preset
   for preset in ${PRESETS:-smollm2}; do
@@ -305,10 +305,10 @@ profile-feature() {
       --profile-dir "$d/prof" --profile-steps 300,100 > "$d/spec.log" 2>&1 &
     local p2=$!
     ready $p1 50071 "$d/plain.log" && ready $p2 50072 "$d/spec.log" || { kill $p1 $p2; return 1; }
-    for b in 1 16; do for cfg in plain spec; do
+    for b in ${BATCHES:-1 16 64}; do for cfg in plain spec; do
       local port=50071
       [[ $cfg == spec ]] && port=50072
-      $PY -m specsplit.cli bench-serve --target "localhost:$port" --num-prompts $((b == 1 ? 6 : 48)) \
+      $PY -m specsplit.cli bench-serve --target "localhost:$port" --num-prompts $((b == 1 ? 6 : 3 * b)) \
         --max-concurrency $b --input-len 64 --output-len 256 --no-progress \
         --result-json "$d/$cfg-b$b.json" > /dev/null 2>&1
     done; done
@@ -319,22 +319,23 @@ profile-feature() {
     done
     kill $p1 $p2 2>/dev/null
     wait $p1 $p2 2>/dev/null
-    $PY - "$d" "$preset" <<'PY' | tee -a "$OUT/profile-feature.txt"
+    $PY - "$d" "$preset" ${BATCHES:-1 16 64} <<'PY' | tee -a "$OUT/profile-feature.txt"
 import json, statistics, sys
-d, preset = sys.argv[1:]
+d, preset, *batches = sys.argv[1:]
+batches = [int(b) for b in batches]
 def steps(name):
     return [json.loads(l) for l in open(f"{d}/{name}-steps.jsonl")]
 print(f"== {preset}")
 for cfg in ("plain", "spec"):
     rows = steps(cfg)
-    for b in (1, 16):
+    for b in batches:
         sel = [r for r in rows if r["B"] == b]
         if not sel:
             continue
         ph = {k: round(statistics.median(r[k] for r in sel), 3) for k in ("gap", "plan", "propose", "verify", "commit")}
         tok = sum(r["tok"] for r in sel) / len(sel)
         print(cfg, f"B={b}", "steps", len(sel), "tok/step", round(tok, 2), "median ms", ph)
-    for b in (1, 16):
+    for b in batches:
         j = json.load(open(f"{d}/{cfg}-b{b}.json"))
         print(cfg, f"B={b}", "tok/s", round(j["output_throughput"], 1), "tpot ms", j["tpot_ms"])
 for port in (9472, 9473):
