@@ -8,6 +8,7 @@ metrics, its `--step-trace` line and the periodic DEBUG lines.
 
 from __future__ import annotations
 
+import collections
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,6 +32,11 @@ BRANCH_SETTLE = 2  # speculative steps after plain ones that the branch gate doe
 # after a burst (a quarter of the batch or more) the next BURST_SETTLE steps still carry it: counted, such
 # slow plain windows switch speculation on, which puts the requests out of step again.
 BURST_SETTLE = 2
+# Unless every step churns: short requests at a high concurrency start or finish some in every step, and
+# the speculation gate would never complete a window there, leaving the mode the cost model chose for
+# good. After GATE_STARVED churned steps in a row at a bucket (two windows' worth), churned steps count
+# in its windows too, in both modes alike, until a step that does not churn comes.
+GATE_STARVED = 32
 PHASES = ("plan", "propose", "verify", "commit")
 
 log = logging.getLogger("specsplit.target")
@@ -74,6 +80,7 @@ class StepAccounting:
         self.plain_run = PLAIN_SETTLE  # at start the draft runs nothing
         self.spec_run = 0  # speculative steps in a row (the branch gate's settle)
         self.burst_settle = 0  # steps after a burst of starts or finishes that the gates do not count
+        self.churned_run: collections.Counter = collections.Counter()  # bucket -> churned steps in a row
         # The ask for the next step is sent in this step's commit: its seconds are the next step's cost
         # (a plain step that precedes a speculative one would otherwise pay for it, and the last step of
         # a run at k, followed by a plain one, would not).
@@ -154,7 +161,10 @@ class StepAccounting:
         # One gate explores at a time (ModeGate.exploring).
         speculation_exploring = self.speculation_exploring(batch)
         branch_exploring = self.branch_gate is not None and width > 1 and self.branch_gate.exploring(batch)
-        if (speculation_exploring or not branch_exploring) and not churned:
+        bucket = self.costs.bucket(batch)
+        self.churned_run[bucket] = self.churned_run[bucket] + 1 if churned else 0
+        starved = self.churned_run[bucket] > GATE_STARVED  # every step churns here: count them (GATE_STARVED)
+        if (speculation_exploring or not branch_exploring) and (not churned or starved):
             self.policy.observe_step(batch, emitted, wall)
         # Branches only change steady speculative steps: not plain ones, not the first ones after plain
         # steps (no branches yet, whether asked for or not), not one that starts or finishes requests.
