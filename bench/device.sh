@@ -262,7 +262,8 @@ feature() {
 # (adaptive and fixed). The draft is the one qwen-train made on this machine, else the shipped one;
 # TARGET, CLASSIC and DRAFT replace the models (paths); the 0.5B is needed only for the classic config.
 qwen-bench() {
-  local target=${TARGET:-} classic=${CLASSIC:-} configs=${CONFIGS:-classic} extra=()
+  local target=${TARGET:-} classic=${CLASSIC:-} extra=()
+  local configs=${CONFIGS:-plain adaptive fixed never classic remote remote-fixed}
   [[ -n $target ]] || target=$(model_file qwen2.5-coder-1.5b-instruct) || return 4
   if [[ " $configs " == *" classic "* ]]; then
     [[ -n $classic ]] || classic=$(model_file qwen2.5-coder-0.5b-instruct) || return 4
@@ -271,8 +272,8 @@ qwen-bench() {
   local draft=${DRAFT:-/tmp/qwen-train/run/run/draft}
   # no draft trained on this machine: the shipped one (its weights must travel: bench/device_tree.sh)
   [[ -n ${DRAFT:-} || -d $draft ]] || draft=drafts/qwen2.5-coder-1.5b-instruct-feature
-  pairs qwen-bench --target "$target" "${extra[@]}" --draft "$draft" \
-    --prompts coding --configs plain adaptive fixed never classic remote remote-fixed "$@"
+  # shellcheck disable=SC2086 # the configs are words
+  pairs qwen-bench --target "$target" "${extra[@]}" --draft "$draft" --prompts coding --configs $configs "$@"
 }
 
 # ready PID PORT LOG: waits up to 300 s for the service's health to say SERVING; fails at once if it exits.

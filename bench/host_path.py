@@ -168,10 +168,13 @@ def run(
     drain: bool = False,
     stream_messages_per_step: int | None = None,
     step_trace: str = "",
+    requests: int = 0,
 ) -> dict:
     """`batch` requests of `steps` tokens through the serving loop; k > 0 attaches `draft` (default: one
     that answers at once). `drain`: request i of B wants steps * (i + 1) / B tokens, so the batch drains
-    through every smaller batch bucket as its requests finish (as a served batch does)."""
+    through every smaller batch bucket as its requests finish (as a served batch does). `requests` >
+    batch: each finished request is replaced by a new one of `steps` tokens until that many have been
+    submitted (short ones then start or finish requests in every step)."""
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     config = TargetConfig(model="none", max_batch_size=batch, speculation_policy=policy,
@@ -187,6 +190,16 @@ def run(
     streams = submit(sched, loop, wants, k, tokenizer)
     t0 = time.perf_counter()
     sched.start()
+    running = list(streams)
+    while len(wants) < requests:  # each finished request replaced, until `requests` were submitted
+        finished = [f for f in running if f.done()]
+        if not finished:
+            time.sleep(1e-3)
+            continue
+        running = [f for f in running if f not in finished]
+        more = [steps] * min(len(finished), requests - len(wants))
+        new = submit(sched, loop, more, k, tokenizer, prefix=f"r{len(wants)}-")
+        streams, running, wants = streams + new, running + new, wants + more
     outputs = [f.result(timeout=600) for f in streams]
     wall = time.perf_counter() - t0
     sched.stop()
@@ -225,6 +238,8 @@ def main() -> int:
     ap.add_argument("--round-trip-ms", type=float, default=0.0, help="simulated draft round trip")
     ap.add_argument("--alpha", type=float, default=1.0, help="simulated per-token acceptance")
     ap.add_argument("--drain", action="store_true", help="staggered lengths: the batch drains (see run)")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="replace finished requests until this many were submitted (see run)")  # fmt: skip
     args = ap.parse_args()
     tokenizer = load_tokenizer()
     for b in args.batch:
@@ -232,7 +247,7 @@ def main() -> int:
         draft = SimulatedDraft(args.round_trip_ms * 1e-3)
         t0 = time.perf_counter()
         result = run(b, args.steps, tokenizer, args.k, runner, draft, args.policy, args.stream_interval,
-                     args.drain, args.stream_messages_per_step)  # fmt: skip
+                     args.drain, args.stream_messages_per_step, requests=args.requests)  # fmt: skip
         result["tokens_per_s"] = result["tokens"] / (time.perf_counter() - t0)
         result["speculative_steps"] = sum(w > 1 for w in runner.widths)
         result.pop("outputs")

@@ -60,11 +60,18 @@ def widths_after_warm_up(alpha, plain, per_position, round_trip, send_seconds=0.
     """Step widths (1: plain) of one greedy request under the adaptive policy, past WARM_UP. The runner
     hands the scheduler start-up verify timings, as TargetRunner.time_steps does: exact, but the plain
     one (width 1) `plain_prior` times the real step (timed while other services started on the GPUs)."""
-    runner = SimulatedRunner(alpha, plain, per_position)
-    runner.step_costs = {(1, w): (plain + per_position * (w - 1)) * (plain_prior if w == 1 else 1.0)
-                         for w in range(1, 6)}  # fmt: skip
+    runner = timed_runner(alpha, plain, per_position, plain_prior=plain_prior)
     run(1, tokens, None, 4, runner, AskingDraft(round_trip, send_seconds), policy="adaptive")
     return runner.widths[WARM_UP:]
+
+
+def timed_runner(alpha, plain, per_position, buckets=(1,), plain_prior=1.0) -> SimulatedRunner:
+    """A simulated runner with the start-up verify timings TargetRunner.time_steps would hand over for
+    `buckets`: exact, but the plain one (width 1) `plain_prior` times the real step."""
+    runner = SimulatedRunner(alpha, plain, per_position)
+    runner.step_costs = {(b, w): (plain + per_position * (w - 1)) * (plain_prior if w == 1 else 1.0)
+                         for b in buckets for w in range(1, 6)}  # fmt: skip
+    return runner
 
 
 # Why k = 0 was never timed: its estimate (the start-up verify plus the host residue of speculative steps)
@@ -104,45 +111,13 @@ def test_fast_draft_keeps_speculating_despite_the_gate():
     assert speculative >= 0.8 * len(widths), (speculative, len(widths))
 
 
-def widths_under_churn(tokens: int, total: int, batch: int = 8) -> list[int]:
+def widths_under_churn(tokens: int, requests: int, batch: int = 8) -> list[int]:
     """Step widths past WARM_UP of the slow draft's "host work" case with `batch` requests of `tokens`
-    running at once, each replaced as it finishes until `total` have been submitted: every step starts or
+    running at once, each replaced as it finishes until `requests` were submitted: every step starts or
     finishes some when requests are short."""
-    import asyncio
-    import threading
-
-    from prometheus_client import CollectorRegistry
-
-    from bench.host_path import submit
-    from common.metrics import ServiceMetrics
-    from target_service.config import TargetConfig
-    from target_service.scheduler import Scheduler
-
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    runner = SimulatedRunner(SLOW["alpha"], SLOW["plain"], SLOW["per_position"])
-    runner.step_costs = {(b, w): SLOW["plain"] + SLOW["per_position"] * (w - 1)
-                         for b in (1, 2, 4, 8) for w in range(1, 6)}  # fmt: skip
-    case = SLOW_CASES["host work of speculative steps"]
-    config = TargetConfig(model="none", max_batch_size=batch, speculation_policy="adaptive")
-    metrics = ServiceMetrics("target", "churn", registry=CollectorRegistry())
-    sched = Scheduler(runner, config, metrics, AskingDraft(**case), frozenset())
-    sched.start()
-    try:
-        streams, submitted = submit(sched, loop, [tokens] * batch, 4, prefix="a"), batch
-        while streams:
-            done = [f for f in streams if f.done()]
-            for f in done:
-                f.result()
-                streams.remove(f)
-            more = min(len(done), total - submitted)
-            if more:
-                streams += submit(sched, loop, [tokens] * more, 4, prefix=f"r{submitted}-")
-                submitted += more
-            time.sleep(1e-3)
-    finally:
-        sched.stop()
-        loop.call_soon_threadsafe(loop.stop)
+    runner = timed_runner(SLOW["alpha"], SLOW["plain"], SLOW["per_position"], buckets=(1, 2, 4, 8))
+    draft = AskingDraft(**SLOW_CASES["host work of speculative steps"])
+    run(batch, tokens, None, 4, runner, draft, policy="adaptive", requests=requests)
     return runner.widths[WARM_UP:]
 
 
@@ -150,7 +125,7 @@ def test_slow_draft_settles_on_plain_steps_when_every_step_churns():
     # 24-token requests, 8 at a time: each finishes in about 6 speculative steps, so every step starts or
     # finishes requests (a burst, a quarter of the batch). The speculation gate leaves such steps out of
     # its windows, unless a bucket has seen nothing else for GATE_STARVED steps.
-    widths = widths_under_churn(tokens=24, total=160)
+    widths = widths_under_churn(tokens=24, requests=160)
     plain = sum(w == 1 for w in widths)
     assert plain >= 0.6 * len(widths), (plain, len(widths))
 
@@ -159,7 +134,7 @@ def test_slow_draft_under_churn_without_the_starvation_rule_stays_speculative(mo
     # The power of the test above: without counting churned steps the gate never completes a window and
     # the cost model's choice (speculation, whose ask's host work it misprices) stands for good.
     monkeypatch.setattr("target_service.step_accounting.GATE_STARVED", 10**9)
-    widths = widths_under_churn(tokens=24, total=160)
+    widths = widths_under_churn(tokens=24, requests=160)
     plain = sum(w == 1 for w in widths)
     assert plain <= 0.1 * len(widths), (plain, len(widths))
 

@@ -287,7 +287,7 @@ def test_negative_self_instruct_is_refused_naming_the_flag(capsys) -> None:
     assert "--self-instruct: -3 is negative" in capsys.readouterr().err
 
 
-def test_data_shards_make_the_same_parts_as_one_run(tmp_path: Path) -> None:
+def test_data_shards_make_the_same_parts_as_one_run(tmp_path: Path, capsys) -> None:
     """--data-shard I/N: N runs on one data directory make exactly the parts one run makes (each batch
     seeded by its index), and the run that trains reads them all; a shard past 0 does not write the
     self-instruct prompts itself, and a shard needs --data-only."""
@@ -314,6 +314,7 @@ def test_data_shards_make_the_same_parts_as_one_run(tmp_path: Path) -> None:
         train_draft_main([*args, "--out", str(tmp_path / "3"), "--data-shard", "1/2", "--self-instruct", "2"])
     with pytest.raises(SystemExit):
         train_draft_main([*args[:-1], "--out", str(tmp_path / "4"), "--data-shard", "0/2"])
+    assert "--data-shard: only with --data-only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["2/2", "1", "a/3", "-1/2"])

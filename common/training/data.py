@@ -9,6 +9,7 @@ so a run cut off by a time limit resumes where it stopped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,14 @@ from torch import Tensor
 from common.kv_cache import KVCache
 from common.models.generate import forward_rows
 from common.models.transformer import Transformer
+
+
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """`write` to a side file, then renamed to `path`: a reader (another data shard's run) never sees
+    half a file."""
+    side = path.with_name(path.name + ".partial")
+    write(side)
+    side.replace(path)
 
 
 @dataclass
@@ -43,19 +52,14 @@ class Sequences:
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
 
     def save(self, path: Path) -> None:
-        """Written to a side file, then renamed: a reader (another data shard's run) never sees half."""
-        partial = path.with_name(path.name + ".partial")
-        save_file(
-            {
-                "tokens": self.tokens,
-                "offsets": self.offsets,
-                "topk_ids": self.topk_ids.int(),
-                "topk_probs": self.topk_probs.half(),
-                "trained": self.trained.to(torch.uint8),
-            },
-            str(partial),
-        )
-        partial.replace(path)
+        tensors = {
+            "tokens": self.tokens,
+            "offsets": self.offsets,
+            "topk_ids": self.topk_ids.int(),
+            "topk_probs": self.topk_probs.half(),
+            "trained": self.trained.to(torch.uint8),
+        }
+        write_whole(path, lambda side: save_file(tensors, str(side)))
 
     @classmethod
     def load(cls, path: Path) -> Sequences:

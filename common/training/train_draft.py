@@ -35,7 +35,7 @@ from common.loader import load_model, load_tokenizer
 from common.models.feature_draft import default_feature_layers
 from common.models.transformer import Transformer
 from common.training import prompts as builtin_prompts
-from common.training.data import Sequences, generate_batch
+from common.training.data import Sequences, generate_batch, write_whole
 from common.training.draft import build_draft, save_draft, target_reference
 from common.training.feature_train import (
     build_feature_draft,
@@ -112,9 +112,8 @@ def self_instructed(args, target, tokenizer, chat: bool, eos: set[int], log: Run
         args.seed, args.gen_batch_size, args.prompt_set,
     )  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")  # renamed whole: a shard waiting for the file never reads half
-    partial.write_text(json.dumps({**counts, "seed": args.seed, "prompts": prompts}, indent=1) + "\n")
-    partial.replace(path)
+    text = json.dumps({**counts, "seed": args.seed, "prompts": prompts}, indent=1) + "\n"
+    write_whole(path, lambda side: side.write_text(text))  # shards waiting for the file never read half
     log("self_instruct", seconds=round(time.monotonic() - t0, 1), **counts)
     return prompts
 
