@@ -248,6 +248,7 @@ pairs() {
     --work "/tmp/$name" --out "$OUT/$name.json" --summary "$OUT/$name.txt" "$@" "${subset[@]}"
   local rc=$?
   tail -n 40 /tmp/"$name"/*.log | tail -c 60000 > "$OUT/$name-logs.txt"
+  (cd /tmp/"$name" && tar czf "$OUT/$name-steps.tgz" ./*-steps.jsonl) 2>/dev/null
   return "$rc"
 }
 
@@ -290,8 +291,10 @@ ready() {
 
 # Where a feature draft's speculative step goes, on random weights (bench/synthetic_feature.py): a target
 # with no draft and one with the feature draft inside it at fixed k = 4, at BATCHES streams (1 16 64), each
-# with its step trace and both services' metrics scraped after the run; then steps of the 1-stream run
-# under torch.profiler (--profile-dir). Acceptance is about zero: cost only, not speedup.
+# with its step trace and both services' metrics scraped after the run; the speculative target's steps
+# PROFILE_STEPS (FIRST,COUNT; 300,100: inside the first of BATCHES) under torch.profiler (--profile-dir).
+# RANGE_RATIO (0) spreads the prompt and output lengths (bench-serve --range-ratio): requests then start and
+# finish at different steps, as in serving. Acceptance is about zero: cost only, not speedup.
 profile-feature() {
   local r=/tmp/profile-feature preset
   for preset in ${PRESETS:-smollm2}; do
@@ -303,14 +306,14 @@ profile-feature() {
     local p1=$!
     $PY -m target_service "${common[@]}" --port 50072 --metrics-port 9472 --step-trace "$d/spec-steps.jsonl" \
       --draft-local "--model $d/draft --metrics-port 9473" --speculation-policy fixed --num-speculative-tokens 4 \
-      --profile-dir "$d/prof" --profile-steps 300,100 > "$d/spec.log" 2>&1 &
+      --profile-dir "$d/prof" --profile-steps "${PROFILE_STEPS:-300,100}" > "$d/spec.log" 2>&1 &
     local p2=$!
     ready $p1 50071 "$d/plain.log" && ready $p2 50072 "$d/spec.log" || { kill $p1 $p2; return 1; }
     for b in ${BATCHES:-1 16 64}; do for cfg in plain spec; do
       local port=50071
       [[ $cfg == spec ]] && port=50072
       $PY -m specsplit.cli bench-serve --target "localhost:$port" --num-prompts $((b == 1 ? 6 : 3 * b)) \
-        --max-concurrency $b --input-len 64 --output-len 256 --no-progress \
+        --max-concurrency $b --input-len 64 --output-len 256 --range-ratio "${RANGE_RATIO:-0}" --no-progress \
         --result-json "$d/$cfg-b$b.json" > /dev/null 2>&1
     done; done
     for port in 9471 9472 9473; do

@@ -16,7 +16,8 @@ All targets start at once on one device (`--configs`, each its own process):
 Then --repeats interleaved rounds: per round, per batch (streams), every config in turn runs bench-serve
 over the held-out prompts (--prompts: chat or coding, common/training/prompts.py, never trained on) with
 --check-greedy. Each run's JSON and its metric deltas go to --out as they finish; past --deadline-s no
-new run starts and the summary covers what ran.
+new run starts and the summary covers what ran. Every target writes its step trace to
+--work/CONFIG-steps.jsonl (target_service/step_trace.py; bench/step_trace_summary.py splits it up).
 
 The summary: per config and batch, x plain (output tok/s over the plain target's in the same round:
 median and range over rounds), accepted / drafted and tokens per request per step (bench-serve's
@@ -161,8 +162,9 @@ def start_configs(args, draft: Path | None, never: Path | None, logs: Path) -> d
             policy = "fixed" if name == "remote-fixed" else "adaptive"
             extra = ["--draft-address", f"127.0.0.1:{draft_proc.port}", "--speculation-policy", policy,
                      "--draft-feature-layers", ",".join(map(str, layers))]  # fmt: skip
+        trace = ["--step-trace", str(logs / f"{name}-steps.jsonl")]
         started[name] = (
-            start_service("target_service", common + extra, logs / f"{name}.log"),
+            start_service("target_service", common + extra + trace, logs / f"{name}.log"),
             draft_port,
             draft_proc,
         )
