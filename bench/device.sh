@@ -294,13 +294,16 @@ ready() {
 # with its step trace and both services' metrics scraped after the run; the speculative target's steps
 # PROFILE_STEPS (FIRST,COUNT; 300,100: inside the first of BATCHES) under torch.profiler (--profile-dir).
 # RANGE_RATIO (0) spreads the prompt and output lengths (bench-serve --range-ratio): requests then start and
-# finish at different steps, as in serving. Acceptance is about zero: cost only, not speedup.
+# finish at different steps, as in serving. TARGET_FLAGS go to both targets. Acceptance is about zero: cost
+# only, not speedup.
 profile-feature() {
   local r=/tmp/profile-feature preset
   for preset in ${PRESETS:-smollm2}; do
     local d=$r/$preset
     rm -rf "$d" && $PY bench/synthetic_feature.py "$d" --preset "$preset" --dtype "${DTYPE:-bfloat16}" || return 1
-    local common=(--model "$d/target" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --max-batch-size 64)
+    # shellcheck disable=SC2206 # TARGET_FLAGS are words
+    local common=(--model "$d/target" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --max-batch-size 64
+                  ${TARGET_FLAGS:-})
     $PY -m target_service "${common[@]}" --port 50071 --metrics-port 9471 --step-trace "$d/plain-steps.jsonl" \
       > "$d/plain.log" 2>&1 &
     local p1=$!

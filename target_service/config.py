@@ -68,6 +68,11 @@ class TargetConfig(ServiceConfig):
         "at most this many stream messages per step (0: no limit), the requests waiting longest first: "
         "token-by-token streams up to this many requests, chunks of about B / N tokens above",
     )
+    prefill_graph_tokens: int = flag(
+        2048,
+        "prefills of up to this many padded tokens (rows x length, each a power of two) replay CUDA graphs "
+        "captured at start-up: a short prompt's eager prefill costs its kernel launches; 0 = always eager",
+    )
     step_trace: str = flag(
         "",
         "append one JSON line per step to this file (target_service/step_trace.py: batch, width, k, "
@@ -95,6 +100,8 @@ class TargetConfig(ServiceConfig):
             raise ValueError("--max-queued-requests: must be >= 0")
         if self.max_stream_backlog < 1:
             raise ValueError("--max-stream-backlog: must be >= 1")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError("--prefill-graph-tokens: must be >= 0 (0: off)")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval: must be >= 1")
         if self.stream_messages_per_step < 0:

@@ -34,6 +34,7 @@ from common.kv_cache import KVCache
 from common.loader import load_service_model
 from common.tp_executor import TPExecutor
 from target_service.config import TargetConfig
+from target_service.prefill import PrefillGraphs
 
 log = logging.getLogger("specsplit.target")
 
@@ -239,6 +240,14 @@ class TargetRunner:
         self.widths = list(range(1, config.num_speculative_tokens + 2))
         self.num_graphs = self.warm_up(self.widths)
         warm_eager_shapes(self.model, self.cache, self.scratch_slot)  # prefills of any length
+        self.prefill_graphs = PrefillGraphs(
+            lambda ids, pos, slots, ctx: self.model(ids, pos, slots, self.cache, ctx),
+            self.max_len, config.prefill_graph_tokens, self.scratch_slot, self.device, self.use_graphs,
+            self.pool,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        if self.use_graphs and (n := self.prefill_graphs.capture_all()) and comm.rank == 0:
+            log.info("captured %d prefill graphs in %.1fs", n, time.perf_counter() - t0)
         # Timed on every rank: the graphs hold collectives, so all ranks must replay them together.
         self.step_costs = self.time_steps(self.widths)
         self.serving = True
@@ -313,7 +322,10 @@ class TargetRunner:
     # -- handlers (every rank) ---------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]], slots: list[int]) -> None:
-        """Writes the KV of prompt tokens (all but the last, which the first verify step feeds)."""
+        """Writes the KV of prompt tokens (all but the last, which the first verify step feeds): from a
+        captured graph where one holds the rows (target_service/prefill.py), else eagerly."""
+        if self.prefill_graphs.use_graphs and self.prefill_graphs(rows, slots):
+            return
         batch = pack(rows, [0] * len(rows), slots, self.device, self.max_len)
         with eager_shapes():  # any prompt length: never a kernel compile while serving
             self.model(batch.input_ids, batch.positions, batch.slots, self.cache, batch.ctx_len)
