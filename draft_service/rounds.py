@@ -165,6 +165,11 @@ class GreedyRounds:
         torch.cuda.synchronize(self.device)
         return len(self.graphs) + len(self.catch_up.graphs)
 
+    def write_kv(self, rows: list[list[int]], slots: list[int]) -> None:
+        """The KV of every token of rows[b] (all of them: none is left for a round) at positions 0.."""
+        # `_catch_up` leaves each row's last token to the round: a padding token takes that place.
+        self._catch_up([[*row, 0] for row in rows], [0] * len(rows), slots)
+
     def _catch_up(self, rows: list[list[int]], starts: list[int], slots: list[int]) -> None:
         """Writes the KV of every row's pending tokens but the last (which the round feeds). Chunks of
         the widest CATCH_UP_WIDTHS, the last one padded to the narrowest that holds the longest rest.

@@ -65,7 +65,9 @@ class DraftRunner:
         self.num_branch_slots = branch_slots if self.top2 else 0
         num_slots = self.branch_slot_offset + self.num_branch_slots
         self.cache = KVCache.for_model(self.model, num_slots, self.max_len)
-        self.executor = TPExecutor(comm, {"draft_round": self.draft_round, "copy_kv": self.copy_kv})
+        self.executor = TPExecutor(
+            comm, {"draft_round": self.draft_round, "copy_kv": self.copy_kv, "catch_up": self.catch_up}
+        )
         # Branch rounds batch up to every branch slot: their batch buckets are captured too.
         max_rows = max(config.max_batch_size, self.num_branch_slots)
         if self.feature_layers:
@@ -140,6 +142,14 @@ class DraftRunner:
         )
         token = torch.where(greedy, logits.argmax(dim=-1), token)
         return token, ids, probs
+
+    @torch.inference_mode()
+    def catch_up(self, rows: list[list[int]], slots: list[int], feature_writes: list | tuple = ()) -> None:
+        """Writes the KV of every token of rows[b] at positions 0.. of slots[b] (a feature draft's new
+        requests, `DraftState.warm`); feature_writes as for `draft_round`."""
+        if feature_writes:
+            self.rounds.write(feature_writes)
+        self.rounds.write_kv(rows, slots)
 
     @torch.inference_mode()
     def draft_round(

@@ -112,6 +112,21 @@ class DraftState:
         slot = self.slots.alloc()
         return DraftRequest(request_id, slot, list(tokens), [], k, temperature, seed)
 
+    def warm(self, reqs: list[DraftRequest]) -> None:
+        """A feature draft's new greedy requests that were not asked for proposals: the KV of their
+        committed tokens (the prompt) is written now, with no round and no wait, so the round chained to
+        their first verify (`chain`) drafts for them."""
+        todo = [r for r in reqs if r.k > 0 and r.temperature <= 0 and not r.kv_tokens
+                and self.fits(r, 2 * r.k + 4)]  # fmt: skip
+        if not todo:
+            return
+        writes, self.feature_writes = self.feature_writes, []
+        self.runner.executor.run("catch_up", rows=[r.committed for r in todo], slots=[r.slot for r in todo],
+                                 feature_writes=writes)  # fmt: skip
+        for r in todo:
+            r.kv_tokens = list(r.committed)
+            r.round_k = r.k
+
     def release(self, req: DraftRequest) -> None:
         self._drop_branches(req)
         self.slots.free(req.slot)
@@ -183,7 +198,9 @@ class DraftState:
         todo = []
         for i, rid, drafts in rows:
             req = reqs.get(rid)
-            if req is None or req.temperature > 0 or not drafts or req.round_k <= 0:
+            if req is None or req.temperature > 0 or req.round_k <= 0:
+                continue
+            if not drafts and not self.reads_features:  # a feature draft re-feeds what the verify emitted
                 continue
             if req.ahead is not None or req.branches:
                 continue

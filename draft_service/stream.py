@@ -222,6 +222,10 @@ class DraftStream:
                 metrics.draft_ahead_hits.inc()
             elif hit is False:
                 metrics.draft_ahead_misses.inc()
+        if state.reads_features and msg.starts:  # started, not asked for: caught up now, drafted later
+            asked_ids = set(msg.propose)
+            state.warm([reqs[x.request_id] for x in msg.starts
+                        if x.request_id in reqs and x.request_id not in asked_ids])  # fmt: skip
         unknown += [r for r in msg.propose if r not in reqs and r not in unknown]
         asked = [(reqs[r], msg.propose_k[i] if i < len(msg.propose_k) else 0)
                  for i, r in enumerate(msg.propose) if r in reqs]  # fmt: skip

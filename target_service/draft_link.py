@@ -51,6 +51,7 @@ class InProcessDraft(Protocol):
     the ask that round answers (`send(hold=True)`)."""
 
     in_process: bool  # True: it shares the scheduler's GIL
+    queues_held: bool  # True: several messages may be held at once (handled in order at the next chain)
     epoch: int
 
     def send(self, msg: draft_pb2.SpeculateRequest, epoch: int, hold: bool = False) -> bool: ...

@@ -131,7 +131,10 @@ class LocalDraft(StreamLink):
         # waits left the GPU idle for about as long as the step's own work. A held ask's verdicts are
         # applied at the next chain, send or receive (once the next verify is queued, as on the thread).
         self.inline = not config.draft_ahead_shared_gpu
-        self._pending: draft_pb2.SpeculateRequest | None = None  # the held ask (inline)
+        # Held messages (inline), handled in order at the next chain, send or receive: the ask a chained
+        # round answers, and new requests' starts (DraftSession.ask with warm=True).
+        self._pending: list[draft_pb2.SpeculateRequest] = []
+        self.queues_held = self.inline  # several messages may be held back at once
         self._reopen_at = 0.0  # inline: after a failed stream, when the next one opens
         self._backoff = 0.1
         log.info("draft in this process: %s (%s, %s, %d CUDA graphs), metrics port %d", self.info.model,
@@ -150,7 +153,7 @@ class LocalDraft(StreamLink):
             self.metrics.draft_reconnects.inc()
         self._open_stream()
         self._stream = DraftStream(self.draft, "in-process")
-        self._pending = None
+        self._pending = []
 
     def _handle(self, msg: draft_pb2.SpeculateRequest, answer: bool) -> None:
         """One message through the stream now; its answer (if wanted) waits in the receive queue. A
@@ -168,15 +171,15 @@ class LocalDraft(StreamLink):
             log.exception("the in-process draft failed; plain decoding, a new stream in %.1f s",
                           self._backoff)  # fmt: skip
             self._stream = None
-            self._pending = None
+            self._pending = []
             stream.close()
             self._stream_ended()
             self._reopen_at = time.perf_counter() + self._backoff
             self._backoff = min(self._backoff * 2, 10.0)
 
     def _handle_pending(self) -> None:
-        msg, self._pending = self._pending, None
-        if msg is not None:
+        held, self._pending = self._pending, []
+        for msg in held:
             self._handle(msg, answer=False)
 
     def _reopen(self) -> None:
@@ -199,12 +202,13 @@ class LocalDraft(StreamLink):
         return self.connected
 
     def _send_inline(self, msg: draft_pb2.SpeculateRequest, epoch: int, hold: bool) -> bool:
-        self._handle_pending()
+        if not hold:
+            self._handle_pending()
         if not self._prepare(msg, epoch):
             return False
         self._sent_step = msg.step
         if hold:
-            self._pending = msg
+            self._pending.append(msg)
         else:
             self._handle(msg, answer=True)
         return True

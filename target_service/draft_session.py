@@ -136,12 +136,18 @@ class DraftSession:
         self.accepted_per_row = 1.0
         self.verify_seconds = 0.0
         self.round_trip = 0.0
+        # New requests were started without proposals since the last chained round (`ask` with warm): the
+        # next verify chains a round for them even when no request verifies drafts.
+        self.warmed = False
 
     def chain(self, batch: list[Request], drafts: list[list[int]], packed, width: int) -> None:
-        """With the draft in this process: its next round for the greedy requests that verified drafts,
-        launched from the verify output `packed` on the device (InProcessDraft.chain)."""
+        """With the draft in this process: its next round for the greedy requests that verified drafts
+        (a feature draft's: every greedy request, it re-feeds what the verify emitted), launched from the
+        verify output `packed` on the device (InProcessDraft.chain)."""
+        self.warmed = False
+        every = self.draft_reads_features()
         rows = [(i, req.draft.draft_id, d) for i, (req, d) in enumerate(zip(batch, drafts))
-                if d and req.temperature <= 0]  # fmt: skip
+                if (d or every) and req.temperature <= 0]  # fmt: skip
         if rows and self.link is not None and self.link.epoch == self.epoch:
             self.link.chain(rows, packed, width, self.epoch)
 
@@ -251,9 +257,13 @@ class DraftSession:
         # Part of the messages counted by kind "speculate", and apart under their own kind.
         self.metrics.grpc_bytes("sent", "target_features").inc(len(payload))
 
-    def ask(self, batch: list[Request], k: int, max_context: int) -> None:
+    def ask(self, batch: list[Request], k: int, max_context: int, warm: bool = False) -> None:
         """Ask for min(k, r.k) tokens for every request of `batch` that can take them; no waiting.
-        k = 0 with nothing to release sends nothing."""
+        k = 0 with nothing to release sends nothing. `warm` (new requests, before their first step):
+        with a feature draft in this process that chains its rounds, greedy new requests are only
+        started, held back with the draft's catch-up over their prompts until the verify is launched;
+        they verify no drafts in their first step and the round chained to it drafts for them, where an
+        ask now would make the step wait for a round of their own before its verify."""
         link = self.link
         self.decided.update(r.draft.draft_id for r in batch)
         if link is None:
@@ -282,6 +292,10 @@ class DraftSession:
             if self.releases:  # bookkeeping only: sent without waiting (its answer is dropped)
                 link.send(self._message([], {}), self.epoch)
             return
+        if warm and self._warms(link, want):
+            sent = link.send(self._message(want, {}), self.epoch, hold=True)
+            self.warmed = self.warmed or sent
+            return
         msg = self._message(want, ks)
         if chained is not None and (msg.starts or any(rid not in chained.index for rid in ks)):
             chained = None
@@ -293,6 +307,14 @@ class DraftSession:
             self.inflight.append(Ask(msg.step, self.epoch, time.perf_counter(), ks, steady, chained))
         else:
             self.metrics.fallback_steps.inc()
+
+    def _warms(self, link, want: list[Request]) -> bool:
+        return (
+            self.draft_in_process
+            and getattr(link, "queues_held", False)
+            and self.draft_reads_features()
+            and all(r.draft.synced < 0 and r.temperature <= 0 for r in want)
+        )
 
     def covered(self) -> set[int]:
         """Draft ids asked for (or decided k = 0) since the last collect: the others still need an ask."""

@@ -228,7 +228,7 @@ class Scheduler:
         rows, drafts = self._rows(batch, proposals)
         width = max(len(d) for d in drafts) + 1
         chain = None
-        if self.session.draft_in_process and self.config.draft_chain and width > 1:
+        if self.session.draft_in_process and self.config.draft_chain and (width > 1 or self.session.warmed):
             chain = partial(self.session.chain, batch, drafts, width=width)
         result = self.runner.step(rows, width, self._hand_over_tokens, chain)  # verify
         if self.runner.captures_at_serving != self.captures_counted:
@@ -266,7 +266,8 @@ class Scheduler:
         if self.accounting.branch_gate is not None:
             self.session.want_branches = self._safely("the branch gate", self.accounting.want_branches, True,
                                                       len(batch))  # fmt: skip
-        self.session.ask(batch if subset is None else subset, k, self.runner.max_context)
+        warm = subset is not None and self.config.draft_chain  # new requests: drafted from the chained round
+        self.session.ask(batch if subset is None else subset, k, self.runner.max_context, warm)
         if subset is None:
             self.metrics.step_k.observe(k)
             self.asked_k = k

@@ -186,6 +186,30 @@ def test_feature_draft_in_the_target_is_lossless_and_chained(pair) -> None:
 
 
 @pytest.mark.slow
+def test_a_new_request_is_drafted_for_from_the_round_chained_to_its_first_verify(pair) -> None:
+    """In the target, a new request is started on the draft without a round of its own: its prompt is
+    caught up while its first step verifies (no drafts: width 1 at one stream), and the round chained to
+    that verify drafts its second step (width k + 1). Output equals plain decoding, drafts accepted."""
+    target_dir, draft_dir, log_dir = pair
+    trace = log_dir / "warm-steps.jsonl"
+    target = start_target(target_dir, log_dir, None, "--draft-local", f"--model {draft_dir} --metrics-port 0",
+                          "--speculation-policy", "fixed", "--step-trace", str(trace),
+                          name="target-warm").wait_ready()  # fmt: skip
+    with running(target):
+        spec, _ = speculative_equals_plain(target.address, prompts_for(target_dir, 3), 1, k=4,
+                                           max_new_tokens=24)  # fmt: skip
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    firsts = [i for i, s in enumerate(steps) if s["new"]]
+    assert len(firsts) == 6, steps  # the plain requests' (k = 0) first steps, then the speculative ones'
+    firsts = firsts[3:]
+    for i in firsts:
+        assert steps[i]["w"] == 1 and steps[i]["B"] == 1, steps[i]
+        assert steps[i + 1]["w"] == 5 and not steps[i + 1]["new"], steps[i + 1]
+    assert sum(r.usage.drafted_tokens for r in spec) > 0
+    assert sum(r.usage.accepted_tokens for r in spec) > 0
+
+
+@pytest.mark.slow
 def test_target_without_features_decodes_plainly_and_says_why(pair) -> None:
     target_dir, draft_dir, log_dir = pair
     with running(start_draft(draft_dir, log_dir).wait_ready()) as (draft,):
