@@ -133,11 +133,17 @@ class StepAccounting:
         batch, width, result = len(step.batch), step.width, step.result
         emitted = sum(len(out) for out in result.tokens)
         churned = self._churned(batch, step.started, step.finished)
+        # While the policy rests (a draft that is never right, SpeculationPolicy.resting) a plain step
+        # teaches the costs and gates nothing they are read for: skipping them keeps its host time a
+        # plain target's.
+        resting = self.policy.resting and width == 1
         if self.learn_costs:
             wall = t4 - t0 - step.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = step.ask_seconds
-            self._learn_costs(batch, width, wall, t3 - t2, churned, step.started)
-        self._feed_gates(batch, width, emitted, t4 - t0, churned)
+            if not resting:
+                self._learn_costs(batch, width, wall, t3 - t2, churned, step.started)
+        if not resting:
+            self._feed_gates(batch, width, emitted, t4 - t0, churned)
         self._observe_metrics(step)
         self.steps += 1
         if self.trace is not None:

@@ -421,3 +421,27 @@ def test_the_gpu_gap_is_observed_only_for_steps_no_prefill_preceded():
     count = registry.get_sample_value("specsplit_step_gpu_gap_seconds_count", labels)
     total = registry.get_sample_value("specsplit_step_gpu_gap_seconds_sum", labels)
     assert count == 2 and total == pytest.approx(1e-3)
+
+
+def accounting_calls(alpha: float, monkeypatch) -> tuple[int, int, int]:
+    """(steps, speculative steps, steps whose costs and gates were fed) of 4 greedy requests of 300
+    tokens under the adaptive policy, with a draft right at `alpha` per token."""
+    from target_service.step_accounting import StepAccounting
+
+    fed = []
+    real = StepAccounting._feed_gates
+    monkeypatch.setattr(StepAccounting, "_feed_gates", lambda self, *a: (fed.append(1), real(self, *a)))
+    runner = timed_runner(alpha, 1e-3, 0.1e-3, buckets=(1, 2, 4))
+    run(4, 300, None, 4, runner, SimulatedDraft(0.3e-3), policy="adaptive")
+    return len(runner.widths), sum(w > 1 for w in runner.widths), len(fed)
+
+
+def test_a_resting_policy_feeds_no_costs_or_gates(monkeypatch):
+    """Once a never-right draft's acceptance leaves nothing to win, the policy rests (plain steps, one try
+    in REPROBE_EVERY) and its steps skip the cost samples and gate windows, which nothing reads then: the
+    host time of a plain target's step. Power: a useful draft's steps feed them every step."""
+    steps, speculative, fed = accounting_calls(0.0, monkeypatch)
+    assert steps >= 290 and speculative <= 40, (steps, speculative)
+    assert fed <= speculative + 8, (steps, speculative, fed)
+    steps, speculative, fed = accounting_calls(0.9, monkeypatch)
+    assert speculative > 0 and fed == steps, (steps, speculative, fed)
