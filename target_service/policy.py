@@ -86,13 +86,16 @@ class SpeculationPolicy:
         self.off_reason = ""  # why the last step chose k = 0 though the batch allowed more ("": it did not)
         self.allowed_k = 0  # the largest k a request of the last step's batch allowed
         self.hopeless_steps = 0  # steps in a row whose drafts promised less than MIN_GAIN
-        # The last choice was one of those (not a reprobe): the policy rests, and reads no cost sample or
-        # gate window before it tries speculation again, so the steps' accounting need not make them.
-        self.resting = False
 
     @property
     def prior_alpha(self) -> float:
         return self.service.alpha(self.first_prior)
+
+    @property
+    def resting(self) -> bool:
+        """The last choice was a step of a draft that promises less than MIN_GAIN (not a reprobe): the
+        policy reads no cost sample or gate window before it tries speculation again."""
+        return self.off_reason == LOW_ACCEPTANCE
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One request's verdict in a step (the service-wide acceptance behind every request's prior)."""
@@ -132,7 +135,6 @@ class SpeculationPolicy:
     def _choose(self, batch: Sequence[Request]) -> int:
         max_k = self.allowed_k = max((r.k for r in batch), default=0)
         self.gated = False  # the step this chooses for is one of the gate's (observe_step)
-        self.resting = False
         if self.mode == FIXED or max_k == 0:
             return max_k
         # O(1) on the service's acceptance, before any per-request pass: a plain step's host time.
@@ -140,7 +142,6 @@ class SpeculationPolicy:
             self.hopeless_steps += 1
             if self.hopeless_steps % REPROBE_EVERY:
                 self.off_reason = LOW_ACCEPTANCE
-                self.resting = True
                 return 0  # not one of the gate's steps either: nothing for speculation to win here
         else:
             self.hopeless_steps = 0

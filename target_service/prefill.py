@@ -9,6 +9,8 @@ tokens) replays that shape's graph instead:
     KV and features land beyond the row's valid length, where the row's next forward writes before
     anything reads them (a query at position p reads keys at positions <= p only);
   - padding rows feed the scratch slot, which no request owns.
+Each shape's inputs are a StepBuffers (target_service/runner.py) of its own: one host-to-device copy per
+prefill, like a verify step's.
 Larger prefills (a burst of arrivals, a long prompt) run eagerly: their compute hides the launches.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,24 +35,25 @@ MIN_LENGTH = 16
 class PrefillGraphs:
     """forward(input_ids [B, L], positions [B, L], slots [B], ctx_len) over every (batch, length) shape
     with batch * length <= max_tokens, replayed from CUDA graphs when `use_graphs` (else the same padded
-    shapes run eagerly: the padding is then tested on the CPU too)."""
+    shapes run eagerly: the padding is then tested on the CPU too). new_buffers(batch, width): a StepBuffers
+    for that shape."""
 
     def __init__(
         self,
         forward: Callable[[Tensor, Tensor, Tensor, int], object],
+        new_buffers: Callable[[int, int], Any],
         max_len: int,
         max_tokens: int,
-        scratch_slot: int,
         device: torch.device,
         use_graphs: bool,
         pool=None,
     ):
-        self.forward, self.max_len, self.scratch_slot, self.device = forward, max_len, scratch_slot, device
+        self.forward, self.new_buffers, self.max_len, self.device = forward, new_buffers, max_len, device
         self.use_graphs, self.pool = use_graphs and device.type == "cuda", pool
         self.lengths = [n for n in buckets(max_len, MIN_LENGTH) if n <= min(max_len, max_tokens)]
         self.shapes = {(b, n) for b in BATCHES for n in self.lengths if b * n <= max_tokens}
         self.graphs: dict[tuple[int, int], tuple] = {}
-        self.inputs: dict[tuple[int, int], _Inputs] = {}
+        self.inputs: dict[tuple[int, int], Any] = {}  # StepBuffers (runner.py imports this module)
         self.replays = 0  # prefills served from a graph (or, without graphs, from a padded shape)
 
     def shape_for(self, rows: list[list[int]]) -> tuple[int, int] | None:
@@ -67,17 +71,15 @@ class PrefillGraphs:
     def _ctx(self, length: int) -> int:
         return min(self.max_len, -(-length // CTX_ROUND) * CTX_ROUND)
 
-    def _static(self, shape: tuple[int, int]) -> _Inputs:
+    def buffers(self, shape: tuple[int, int]) -> Any:
         if shape not in self.inputs:
-            self.inputs[shape] = _Inputs(*shape, self.scratch_slot, self.device)
+            self.inputs[shape] = self.new_buffers(*shape)
         return self.inputs[shape]
 
     def _run_forward(self, shape: tuple[int, int]) -> None:
-        b, n = shape
-        inputs = self._static(shape)
-        positions = torch.arange(n, device=self.device).expand(b, n)
+        buf = self.buffers(shape)
         with eager_shapes():  # the kernel variants of an eager prefill: compiled at start-up
-            self.forward(inputs.ids, positions, inputs.slots, self._ctx(n))
+            self.forward(buf.view("input_ids"), buf.view("positions"), buf.view("slots"), self._ctx(shape[1]))
 
     @torch.inference_mode()
     def capture_all(self) -> int:
@@ -86,7 +88,7 @@ class PrefillGraphs:
             return 0
         for shape in sorted(self.shapes):
             if shape not in self.graphs:
-                self._static(shape)  # outside the graph's memory pool
+                self.buffers(shape)  # outside the graph's memory pool
                 self.graphs[shape] = capture(lambda s=shape: self._run_forward(s), self.device, self.pool)
         torch.cuda.synchronize(self.device)
         return len(self.graphs)
@@ -98,7 +100,8 @@ class PrefillGraphs:
         shape = self.shape_for(rows)
         if shape is None:
             return False
-        self._static(shape).load(rows, slots)
+        n = len(rows)
+        self.buffers(shape).load(rows, [0] * n, slots, [0] * n, [0.0] * n)
         if shape in self.graphs:
             graph, _, per_replay = self.graphs[shape]
             graph.replay()
@@ -107,34 +110,3 @@ class PrefillGraphs:
             self._run_forward(shape)
         self.replays += 1
         return True
-
-
-class _Inputs:
-    """A shape's static inputs, ids [B, L] and slots [B], views of one int64 device buffer, and its pinned
-    host mirror: one host-to-device copy per prefill."""
-
-    def __init__(self, batch: int, length: int, scratch_slot: int, device: torch.device):
-        self.batch, self.length, self.scratch_slot = batch, length, scratch_slot
-        self.buffer = torch.full((batch * length + batch,), scratch_slot, dtype=torch.int64, device=device)
-        pin = device.type == "cuda"
-        self.host = self.buffer.cpu().pin_memory() if pin else self.buffer
-        self.ids = self.buffer[: batch * length].view(batch, length)
-        self.slots = self.buffer[batch * length :]
-        # The last copy out of the host mirror: the next load waits for it before writing there.
-        self.copied = torch.cuda.Event() if pin else None
-
-    def load(self, rows: list[list[int]], slots: list[int]) -> None:
-        """Row b (zero-padded to the length) into ids[b], slots[b]; rows past them feed the scratch slot."""
-        if self.copied is not None:
-            self.copied.synchronize()
-        host = self.host.numpy()
-        ids = host[: self.batch * self.length].reshape(self.batch, self.length)
-        ids[:] = 0
-        for i, row in enumerate(rows):
-            ids[i, : len(row)] = row
-        tail = host[self.batch * self.length :]
-        tail[: len(rows)] = slots
-        tail[len(rows) :] = self.scratch_slot
-        if self.copied is not None:
-            self.buffer.copy_(self.host, non_blocking=True)
-            self.copied.record()

@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -242,8 +243,8 @@ class TargetRunner:
         warm_eager_shapes(self.model, self.cache, self.scratch_slot)  # prefills of any length
         self.prefill_graphs = PrefillGraphs(
             lambda ids, pos, slots, ctx: self.model(ids, pos, slots, self.cache, ctx),
-            self.max_len, config.prefill_graph_tokens, self.scratch_slot, self.device, self.use_graphs,
-            self.pool,
+            partial(StepBuffers, scratch_slot=self.scratch_slot, device=self.device),
+            self.max_len, config.prefill_graph_tokens, self.device, self.use_graphs, self.pool,
         )  # fmt: skip
         t0 = time.perf_counter()
         if self.use_graphs and (n := self.prefill_graphs.capture_all()) and comm.rank == 0:

@@ -1,6 +1,7 @@
 """Prefills from padded static shapes (target_service/prefill.py) leave each request's KV and features as an
 unpadded eager prefill does, and greedy decoding after them equals plain greedy decoding. On a GPU the
-shapes replay CUDA graphs; on the CPU the same padded shapes run eagerly."""
+shapes replay CUDA graphs; on the CPU (where the runner itself prefills eagerly) the runner's
+PrefillGraphs, called here, run the same padded shapes eagerly."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from common.distributed import init_tp
 from common.models.generate import greedy_generate
 from common.settings import parse_config
 from target_service.config import TargetConfig
-from target_service.prefill import PrefillGraphs
 from target_service.runner import StepRow, TargetRunner
 from tests.tiny import make_tiny_model
 
@@ -31,19 +31,8 @@ def runner(tmp_path_factory):
     return TargetRunner(init_tp(1, 0, device=DEVICE), cfg)
 
 
-def padded_prefill(runner: TargetRunner) -> PrefillGraphs:
-    """The runner's prefill graphs on a GPU; on the CPU the same shapes, eager."""
-    graphs = runner.prefill_graphs
-    if not graphs.use_graphs:
-        graphs = PrefillGraphs(
-            lambda ids, pos, slots, ctx: runner.model(ids, pos, slots, runner.cache, ctx),
-            runner.max_len, 128, runner.scratch_slot, runner.device, use_graphs=False,
-        )  # fmt: skip
-    return graphs
-
-
 def test_shapes_are_the_smallest_that_hold_the_rows(runner):
-    graphs = padded_prefill(runner)
+    graphs = runner.prefill_graphs
     assert graphs.lengths == [16, 32, 64, runner.max_len]  # the last bucket clipped to the longest row
     assert graphs.shape_for([[1] * 5]) == (1, 16)
     assert graphs.shape_for([[1] * 17, [2]]) == (2, 32)
@@ -57,7 +46,7 @@ def test_shapes_are_the_smallest_that_hold_the_rows(runner):
 
 def test_padded_prefill_writes_what_an_eager_one_does(runner):
     rng = random.Random(1)
-    graphs = padded_prefill(runner)
+    graphs = runner.prefill_graphs
     store = runner.feature_store
     for lengths in ([5], [17, 3], [9, 30, 2], [1, 1, 1, 1, 1]):
         rows = [[rng.randrange(256) for _ in range(n)] for n in lengths]
@@ -83,7 +72,7 @@ def test_padded_prefill_writes_what_an_eager_one_does(runner):
 
 def test_greedy_after_a_padded_prefill_equals_plain_greedy(runner):
     rng = random.Random(2)
-    graphs = padded_prefill(runner)
+    graphs = runner.prefill_graphs
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 40))] for _ in range(3)]
     new = 8
     expected = greedy_generate(runner.model, prompts, new)
