@@ -344,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts-at-1", type=int, default=12, help="requests of a one-stream run")
     # Several requests per stream: with two, a speculative run's last steps (requests finishing at
     # different steps as their acceptance differs, the batch draining) weigh on its wall time.
-    ap.add_argument("--waves", type=int, default=6, help="requests per stream of a multi-stream run")
+    # Requests per stream: the run's last requests finish while other streams have none left, and that
+    # tail is a smaller part of the run the more waves it has (speculative requests end at spread steps).
+    ap.add_argument("--waves", type=int, default=8, help="requests per stream of a multi-stream run")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-context", type=int, default=1024, help="each target's --max-context-length")
