@@ -17,7 +17,7 @@ from common.metrics import ServiceMetrics
 from target_service.config import TargetConfig
 from target_service.draft_session import DraftSession
 from target_service.gate import ModeGate
-from target_service.policy import ADAPTIVE, SpeculationPolicy
+from target_service.policy import ADAPTIVE, COST_MEASURED, SpeculationPolicy
 from target_service.request import Request
 from target_service.step_costs import PLAIN_SETTLE, StepCosts
 from target_service.step_trace import StepTrace
@@ -37,6 +37,11 @@ BURST_SETTLE = 2
 # good. After GATE_STARVED churned steps in a row at a bucket (two windows' worth), churned steps count
 # in its windows too, in both modes alike, until a step that does not churn comes.
 GATE_STARVED = 32
+# While the speculation gate holds speculation off by measurement (COST_MEASURED), one plain step in
+# OFF_SAMPLE_EVERY is a step-cost sample: nothing reads the costs then, and a sample every step is host
+# time a small target's plain step feels (a 135M one's is 0.75 ms). The gate's windows still count
+# every step, so its tries of speculation come as often.
+OFF_SAMPLE_EVERY = 8
 PHASES = ("plan", "propose", "verify", "commit")
 
 log = logging.getLogger("specsplit.target")
@@ -140,7 +145,7 @@ class StepAccounting:
         if self.learn_costs:
             wall = t4 - t0 - step.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = step.ask_seconds
-            if not resting:
+            if not resting and not self._unsampled(width):
                 self._learn_costs(batch, width, wall, t3 - t2, churned, step.started)
         if not resting:
             self._feed_gates(batch, width, emitted, t4 - t0, churned)
@@ -153,6 +158,12 @@ class StepAccounting:
             self.phase_seconds[phase] += b - a
         if self.steps % LOG_EVERY == 0 and log.isEnabledFor(logging.DEBUG):
             self._log(step.batch)
+
+    def _unsampled(self, width: int) -> bool:
+        """A plain step while the gate holds speculation off by measurement that is not a cost sample
+        (OFF_SAMPLE_EVERY). A step that waited for an ask is always one: it ends the plain run."""
+        off = width == 1 and self.policy.off_reason == COST_MEASURED and not self.session.last_asked
+        return off and self.steps % OFF_SAMPLE_EVERY != 0
 
     def _churned(self, batch: int, started: int, finished: int) -> bool:
         """Whether this step started or finished requests, or follows a burst of them (BURST_SETTLE)."""

@@ -445,3 +445,44 @@ def test_a_resting_policy_feeds_no_costs_or_gates(monkeypatch):
     assert fed <= speculative + 8, (steps, speculative, fed)
     steps, speculative, fed = accounting_calls(0.9, monkeypatch)
     assert speculative > 0 and fed == steps, (steps, speculative, fed)
+
+
+def off_steps_sampled(monkeypatch) -> tuple[int, int, int]:
+    """(plain steps while the gate held speculation off by measurement, those that were step-cost samples,
+    steps whose gate windows were fed) of one request with a draft that settles on plain steps."""
+    from target_service import step_accounting
+    from target_service.policy import COST_MEASURED
+
+    off, sampled, fed = [], [], []
+    acc = step_accounting.StepAccounting
+    real_observe, real_learn, real_feed = acc.observe, acc._learn_costs, acc._feed_gates
+
+    def observe(self, step):
+        is_off = step.width == 1 and self.policy.off_reason == COST_MEASURED and not self.session.last_asked
+        off.append(is_off)
+        return real_observe(self, step)
+
+    def learn(self, *args):
+        sampled.append(off[-1])
+        return real_learn(self, *args)
+
+    monkeypatch.setattr(acc, "observe", observe)
+    monkeypatch.setattr(acc, "_learn_costs", learn)
+    monkeypatch.setattr(acc, "_feed_gates", lambda self, *a: (fed.append(1), real_feed(self, *a)))
+    widths_after_warm_up(**SLOW, **SLOW_CASES["host work of speculative steps"])
+    return sum(off), sum(sampled), len(fed)
+
+
+def test_plain_steps_held_off_by_the_gate_are_one_cost_sample_in_eight(monkeypatch):
+    """While the gate holds speculation off by measurement, one plain step in OFF_SAMPLE_EVERY (8) is a
+    step-cost sample (nothing reads the costs then), and every step still feeds the gate's windows, so
+    its tries of speculation come as often. Power: with a sample every step, all of them are."""
+    from target_service import step_accounting
+
+    off, sampled, fed = off_steps_sampled(monkeypatch)
+    assert off >= 50, off  # the slow draft settles on plain steps (test_slow_draft_settles_on_plain_steps)
+    assert sampled <= off // 8 + 2, (off, sampled)
+    assert fed >= off, (off, fed)
+    monkeypatch.setattr(step_accounting, "OFF_SAMPLE_EVERY", 1)
+    off, sampled, fed = off_steps_sampled(monkeypatch)
+    assert off >= 50 and sampled == off, (off, sampled)
