@@ -342,10 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--output-len", type=int, default=192, help="max new tokens per request")
     ap.add_argument("--prompts-at-1", type=int, default=12, help="requests of a one-stream run")
-    # Several requests per stream: with two, a speculative run's last steps (requests finishing at
-    # different steps as their acceptance differs, the batch draining) weigh on its wall time.
-    # Requests per stream: the run's last requests finish while other streams have none left, and that
-    # tail is a smaller part of the run the more waves it has (speculative requests end at spread steps).
+    # Requests per stream: a run's last requests finish while other streams have none left (speculative
+    # requests end at spread steps as their acceptance differs), a smaller part of the run the more it has.
     ap.add_argument("--waves", type=int, default=8, help="requests per stream of a multi-stream run")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
