@@ -27,11 +27,15 @@ class GateConfig:
     early_loss: float = 0.75  # ... below this fraction of the other mode's rate (0.7 ran plain's tries whole)
     hysteresis: float = 0.05  # the mode held best stays so until its rate is this fraction below the other's
     stall_cap: float = 2.0  # a counted step's seconds are capped at this times its mode's mean step
-    on_handicap: float = 0.0  # the mode on is rated at (1 - on_handicap) of its measured rate
+    on_handicap: float = 0.0  # the mode on is rated at (1 - on_handicap) of its measured rate ...
+    handicap_from: int = 2  # ... in buckets of at least this many requests
 
 
 BRANCH_GATE = GateConfig()  # the draft's branches: both modes rated alike
 # Speculation must win by 8 %: its catch-ups and the requests it puts out of step cost outside its windows.
+# Not at one stream, where no request is put out of step and a catch-up comes only with a switch (in the
+# settle steps): with the handicap and the hysteresis a draft there had to win by 14 % to be switched on,
+# and SmolLM2-135M's feature draft, 1.12x plain at k = 4, ran plain.
 SPECULATION_GATE = GateConfig(on_handicap=0.08)
 
 
@@ -39,7 +43,8 @@ SPECULATION_GATE = GateConfig(on_handicap=0.08)
 class _Window:
     on: bool
     steps: int = 0
-    tokens: float = 0.0  # scaled to the bucket's whole batch (observe)
+    tokens: float = 0.0  # expected tokens, scaled to the bucket's whole batch (observe)
+    emitted: float = 0.0  # emitted tokens, scaled alike: a try's rate
     seconds: float = 0.0
     windows: int = 0
     since: int = 0  # windows since the other mode was last tried
@@ -52,14 +57,14 @@ class ModeGate:
     itself (SpeculationPolicy.gate), and the draft's branches.
 
     Branches move the draft's round off the target's critical path, but the branch round (k + 1 rows per
-    request) can outlast the target's step, or share its GPUs and slow its verify. So the target runs
-    windows of `window` steps with the mode on or off, compares output tokens per second of each (the
-    first `settle` steps of a window are not counted), keeps the better (the mode on handicapped by
-    `on_handicap`) and tries the other after `explore_every` windows. A bucket's first window is `default`.
-    Each try the other mode loses doubles the wait before the next (up to `max_explore_every` windows): a
-    try costs a window in the worse mode, and a clear loser need not be re-checked every 16 windows. The
-    mode in use is measured in every window, so a drop in its own rate switches at once (and the waits
-    start over); only a rise of the other waits for a try.
+    request) can outlast the target's step, or share its GPUs and slow its verify. So the target runs windows
+    of `window` steps with the mode on or off, compares output tokens per second of each (the first `settle`
+    steps of a window are not counted), keeps the better (the mode on handicapped by `on_handicap` from bucket
+    `handicap_from` up) and tries the other after `explore_every` windows. A bucket's first window is
+    `default`. Each try the other mode loses doubles the wait before the next (up to `max_explore_every`
+    windows): a try costs a window in the worse mode, and a clear loser need not be re-checked every 16
+    windows. The mode in use is measured in every window, so a drop in its own rate switches at once (and the
+    waits start over); only a rise of the other waits for a try.
 
     Two things keep a first impression (taken while the policy still times its k's) from sticking: the
     first window of each mode in a bucket is a warm-up (half a window), not counted; and a rate last
@@ -95,6 +100,11 @@ class ModeGate:
         if rate is None:
             return "?"
         return f"{'~' if self.rated_at.get(key, 0) < 0 else ''}{rate:.0f}"
+
+    def trying(self, batch: int) -> bool:
+        """Whether the bucket's window is a try of its worse mode."""
+        w = self.state.get(self.costs.bucket(batch))
+        return w is not None and w.trying
 
     def mode(self, batch: int) -> bool | None:
         """The bucket's mode now (None: no window there yet)."""
@@ -169,8 +179,15 @@ class ModeGate:
         every = max(1, self.explore_every // 4)
         self.state[bucket] = _Window(not w.on, windows=w.windows + 1, every=every)
 
-    def observe(self, batch: int, tokens: int, seconds: float) -> None:
-        """One step's output tokens and wall time. Rates are of the bucket's whole batch (tokens scaled
+    def observe(self, batch: int, tokens: float, seconds: float, expected: float | None = None) -> None:
+        """One step's output tokens and wall time, and the tokens it was expected to emit at the service's
+        acceptance. A window of the mode held is rated by the expected tokens; a try, by the emitted
+        ones (its early end, by the expected). At one stream the draws of acceptance spread a 16-step
+        window's emitted tokens by ~15 % (alpha 0.5, k = 4), more than a 1.14x gain, and switched it
+        off for half its steps; the expected ones have no such spread while speculation runs (each step
+        renews the acceptance), but after long off they are as stale as the acceptance, so a try is
+        rated by what it emits.
+        Rates are of the bucket's whole batch (tokens scaled
         by bucket / batch): a batch draining within its bucket lowers both modes' tokens per step alike,
         and unscaled, a mode then measured against the other's rate from a fuller batch looks worse.
         A counted step's seconds are capped at `stall_cap` times its mode's mean step: a single stalled
@@ -179,7 +196,8 @@ class ModeGate:
         w = self._window(bucket, True)
         w.steps += 1
         if w.steps > self.settle:
-            w.tokens += tokens * bucket / batch
+            w.tokens += (tokens if expected is None else expected) * bucket / batch
+            w.emitted += tokens * bucket / batch
             w.seconds += min(seconds, self.config.stall_cap * self.step_seconds.get((bucket, w.on), seconds))
         if w.seconds <= 0:
             return
@@ -247,7 +265,8 @@ class ModeGate:
     def _record(self, bucket: int, w: _Window) -> None:
         """The ended window's rate (the mode on's handicapped): replaces one measured windows ago, else
         smooths the last one's."""
-        key, rate = (bucket, w.on), w.tokens / w.seconds * (1.0 - self.on_handicap if w.on else 1.0)
+        handicap = self.on_handicap if w.on and bucket >= self.config.handicap_from else 0.0
+        key, rate = (bucket, w.on), (w.emitted if w.trying else w.tokens) / w.seconds * (1.0 - handicap)
         step = w.seconds / max(1, w.steps - self.settle)
         fresh = key not in self.rate or self.rated_at[key] < w.windows - 1
         self.rate[key] = rate if fresh else 0.5 * self.rate[key] + 0.5 * rate

@@ -17,7 +17,7 @@ from common.metrics import ServiceMetrics
 from target_service.config import TargetConfig
 from target_service.draft_session import DraftSession
 from target_service.gate import ModeGate
-from target_service.policy import ADAPTIVE, COST_MEASURED, SpeculationPolicy
+from target_service.policy import ADAPTIVE, COST_MEASURED, SpeculationPolicy, expected_tokens
 from target_service.request import Request
 from target_service.step_costs import PLAIN_SETTLE, StepCosts
 from target_service.step_trace import StepTrace
@@ -92,6 +92,7 @@ class StepAccounting:
         self.asked_seconds = 0.0  # the ask sent for the latest step (in the commit before it)
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)
         self.steps = 0
+        self.expected = 0.0  # the latest verdicts' tokens expected at the service's acceptance
         for pos in range(config.max_speculative_tokens):  # labelled series exist from the start for rate()
             metrics.accepted_at_position(pos)
 
@@ -104,7 +105,10 @@ class StepAccounting:
         # per call, which at B=64 is a visible share of a ~2 ms step.
         num_drafts = num_drafted = num_accepted = 0
         at_position = [0] * (max(accepted, default=0) + 1)  # at_position[a]: rows that accepted exactly a
+        with_k = [0] * (max(map(len, drafts), default=0) + 1)  # with_k[k]: rows that drafted k tokens
+        alpha = self.policy.prior_alpha  # the service's acceptance before these verdicts
         for req, drafted, acc in zip(batch, drafts, accepted):
+            with_k[len(drafted)] += 1
             req.spec.observe(len(drafted), acc)
             self.policy.observe(len(drafted), acc)
             req.draft.last_accepted = acc
@@ -113,6 +117,7 @@ class StepAccounting:
                 num_drafted += len(drafted)
                 num_accepted += acc
                 at_position[acc] += 1
+        self.expected = sum(n * expected_tokens(alpha, k) for k, n in enumerate(with_k) if n)
         if num_drafts:
             self.metrics.drafts.inc(num_drafts)
             self.metrics.draft_tokens.inc(num_drafted)
@@ -182,7 +187,7 @@ class StepAccounting:
         self.churned_run[bucket] = self.churned_run[bucket] + 1 if churned else 0
         starved = self.churned_run[bucket] > GATE_STARVED  # every step churns here: count them (GATE_STARVED)
         if (speculation_exploring or not branch_exploring) and (not churned or starved):
-            self.policy.observe_step(batch, emitted, wall)
+            self.policy.observe_step(batch, emitted, wall, self.expected)
         # Branches only change steady speculative steps: not plain ones, not the first ones after plain
         # steps (no branches yet, whether asked for or not), not one that starts or finishes requests.
         self.spec_run = self.spec_run + 1 if width > 1 else 0
