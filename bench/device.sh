@@ -10,7 +10,9 @@
 #   bench/device.sh wheels                        install the wheels carried in .whl/ (kept in $SITE)
 #   bench/device.sh sweep gemm|glu|stream [flags] the GEMM tile sweeps (bench/*_sweep.py)
 #   bench/device.sh train                         drafts/smollm2-135m-instruct/train.sh (after transfer)
-#   bench/device.sh feature-train                 drafts/smollm2-135m-instruct-feature/train.sh (after transfer)
+#   bench/device.sh feature-train                 drafts/smollm2-135m-instruct-feature/train.sh in the
+#                                                 background (after transfer; call until done; INIT=
+#                                                 drafts/smollm2-135m-instruct-feature: stage B from it)
 #   bench/device.sh feature [DRAFT]               SmolLM2 + a feature draft in the target, bench-serve
 #                                                 (CONFIGS="plain never" BATCHES="16 64": a subset)
 #   bench/device.sh profile-feature               what a feature draft's step costs, on random weights of
@@ -49,7 +51,7 @@ export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_ME
 mkdir -p "$OUT"
 
 usage() {
-  sed -n '2,23p' "$0" | cut -c3-
+  sed -n '2,25p' "$0" | cut -c3-
   exit 2
 }
 
@@ -227,10 +229,16 @@ qwen-train() {
 
 feature-train() {
   [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first)"; return 4; }
-  GGUF=$GGUF RUN=/tmp/feat PY=$PY bash drafts/smollm2-135m-instruct-feature/train.sh 2>&1 \
-    | tr '\r' '\n' | grep -v 'it/s\]\|s/it\]' | tail -n 5
-  cp /tmp/feat/reduced/eval.json "$OUT/feature-eval.json"
-  tar -C /tmp/feat/reduced -cf "$OUT/feature-draft.tar" draft
+  export GGUF
+  background feature-train drafts/smollm2-135m-instruct-feature/train.sh
+  local rc=$? out=/tmp/feature-train/run/reduced
+  [[ $rc == 3 ]] && return 3
+  [[ -n ${INIT:-} ]] && out=/tmp/feature-train/run/more
+  cp "$out/eval.json" "$OUT/feature-eval.json"
+  grep -h '"event": "\(data\|init_draft\|time_limit\|done\)"' /tmp/feature-train/run/*/train.log 2>/dev/null \
+    | cut -c1-600 | tail -n 8 >> "$OUT/feature-train.txt"
+  tar -C "$out" -cf "$OUT/feature-draft.tar" draft
+  return "$rc"
 }
 
 # bench/pair_bench.py as NAME: every config's target on the GPU at once, benchmarked one at a time with
@@ -255,7 +263,9 @@ pairs() {
 # SmolLM2 + a feature draft in the target: plain, adaptive, fixed (k = 4) and never-right, on chat prompts.
 feature() {
   [[ -f $GGUF ]] || { echo "$GGUF: missing (run 'transfer' with every part first)"; return 4; }
-  pairs feature-bench --target "$GGUF" --draft "${1:-drafts/smollm2-135m-instruct-feature}" --prompts chat
+  local draft=${1:-drafts/smollm2-135m-instruct-feature}
+  shift
+  pairs feature-bench --target "$GGUF" --draft "$draft" --prompts chat --prompts-at-1 24 "$@"
 }
 
 # Qwen2.5-Coder-1.5B-Instruct on coding prompts: plain, its feature draft in the target (adaptive, fixed
