@@ -181,12 +181,12 @@ class ModeGate:
 
     def observe(self, batch: int, tokens: float, seconds: float, expected: float | None = None) -> None:
         """One step's output tokens and wall time, and the tokens it was expected to emit at the service's
-        acceptance. A window of the mode held is rated by the expected tokens; a try, by the emitted
-        ones (its early end, by the expected). At one stream the draws of acceptance spread a 16-step
-        window's emitted tokens by ~15 % (alpha 0.5, k = 4), more than a 1.14x gain, and switched it
-        off for half its steps; the expected ones have no such spread while speculation runs (each step
-        renews the acceptance), but after long off they are as stale as the acceptance, so a try is
-        rated by what it emits.
+        acceptance (given at one stream only: StepAccounting._feed_gates). A window of the mode held is rated
+        by the expected tokens; a try, by the emitted ones (its early end, by the expected). At one stream the
+        draws of acceptance spread a 16-step window's emitted tokens by ~15 % (alpha 0.5, k = 4), more than a
+        1.14x gain, and switched it off for half its steps; the expected ones have no such spread while
+        speculation runs (each step renews the acceptance), but after long off they are as stale as the
+        acceptance, so a try is rated by what it emits.
         Rates are of the bucket's whole batch (tokens scaled
         by bucket / batch): a batch draining within its bucket lowers both modes' tokens per step alike,
         and unscaled, a mode then measured against the other's rate from a fuller batch looks worse.
