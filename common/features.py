@@ -15,6 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.kernels import fused
+
 # The Speculate protocol version whose starts and verdicts carry features (protos/specsplit/v1/draft.proto).
 FEATURE_PROTOCOL = 2
 WIRE_DTYPE = torch.bfloat16  # features cross the wire in bf16 whatever the models' dtype
@@ -29,9 +31,14 @@ class FeatureStore:
         self.size = len(self.layers) * hidden_size
         self.data = torch.zeros(num_slots, max_len, self.size, dtype=dtype, device=device)
 
-    def write(self, slots: Tensor, positions: Tensor, streams: list[Tensor]) -> None:
-        """slots [B], positions [B, L], streams: one [B, L, H] per layer -> rows (slot, position)."""
-        self.data[slots[:, None], positions] = torch.cat(streams, dim=-1).to(self.data.dtype)
+    def write_stream(
+        self, slots: Tensor, positions: Tensor, j: int, x: Tensor, residual: Tensor | None
+    ) -> None:
+        """The stream entering layers[j], x + residual ([B, L, H] each; x alone without a residual), into
+        its columns of rows (slot, position): one kernel on the GPU, called as the forward reaches the
+        layer (Transformer.forward)."""
+        write = fused.feature_write if fused.on_gpu(x) else fused.feature_write_reference
+        write(self.data, slots, positions, x, residual, j * x.shape[-1])
 
     def previous(self, slots: Tensor, positions: Tensor) -> Tensor:
         """slots [B], positions [B, L] -> [B, L, F] the features at each position - 1 (zeros at 0): what a

@@ -19,6 +19,8 @@ from common.config import DTYPES, ModelConfig
 from common.distributed import Comm
 from common.draft_checkpoint import with_shared_weights
 from common.gguf import GGUFCheckpoint, find_gguf, open_gguf
+from common.kernels import onednn
+from common.layers.linear import LINEAR_LAYERS
 from common.layers.shard import checkpoint_parts
 from common.models.feature_draft import FeatureDraft
 from common.models.transformer import Transformer
@@ -175,4 +177,7 @@ def load_model(
              str(dtype).removeprefix("torch."), device, time.perf_counter() - t0)  # fmt: skip
     check_local_argmax(model, use_local_argmax_reduction, draft_sampling)
     model.use_local_argmax_reduction = use_local_argmax_reduction
+    if model.lm_head.weight.device.type == "cpu":
+        layers = [m for m in model.modules() if isinstance(m, LINEAR_LAYERS)]
+        onednn.pack_modules([*layers, model.lm_head])  # fp32 only; the embedding table is never packed
     return model.eval()

@@ -104,7 +104,9 @@ def test_features_round_trip_the_wire_and_store() -> None:
     with pytest.raises(ValueError, match=r"verdicts\.features: 10 bytes"):
         from_wire(b"\0" * 10, 12, "verdicts.features")
     store = FeatureStore((0, 2), 6, num_slots=3, max_len=8, dtype=torch.float32, device="cpu")
-    store.write(torch.tensor([1]), torch.tensor([[0, 1, 2]]), [torch.ones(1, 3, 6), 2 * torch.ones(1, 3, 6)])
+    slots, positions = torch.tensor([1]), torch.tensor([[0, 1, 2]])
+    store.write_stream(slots, positions, 0, torch.ones(1, 3, 6), None)
+    store.write_stream(slots, positions, 1, torch.ones(1, 3, 6), torch.ones(1, 3, 6))  # x + residual
     prev = store.previous(torch.tensor([1]), torch.tensor([[0, 1, 3]]))
     assert torch.equal(prev[0, 0], torch.zeros(12))  # position 0 has no predecessor
     assert torch.equal(prev[0, 1], torch.tensor([1.0] * 6 + [2.0] * 6))

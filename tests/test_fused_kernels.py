@@ -33,6 +33,35 @@ def test_rms_norm_non_contiguous_rows():
     torch.testing.assert_close(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), rtol=1e-5, atol=1e-5)
 
 
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+@pytest.mark.parametrize("x_dtype, store_dtype", [(BF16, BF16), (BF16, FP32), (FP32, FP32)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_feature_write_equals_reference_bit_for_bit(x_dtype, store_dtype, with_residual):
+    g = torch.Generator().manual_seed(3)
+    hidden, layers = 48, 3
+    x = (
+        (4 * torch.randn(3, 2, hidden, generator=g)).to(x_dtype).to(DEVICE).transpose(0, 1)
+    )  # [2, 3, H], strided
+    residual = (4 * torch.randn(2, 3, hidden, generator=g)).to(x_dtype).to(DEVICE) if with_residual else None
+    slots, positions = (
+        torch.tensor([2, 0], device=DEVICE),
+        torch.tensor([[5, 6, 7], [0, 1, 2]], device=DEVICE),
+    )
+    before = torch.randn(4, 9, layers * hidden, generator=g).to(store_dtype).to(DEVICE)
+    stores = [before.clone(), before.clone()]
+    fused.feature_write(stores[0], slots, positions, x, residual, hidden)  # the middle layer's columns
+    fused.feature_write_reference(stores[1], slots, positions, x, residual, hidden)
+    if fused.INTERPRETED and with_residual and x_dtype == torch.bfloat16:
+        # The CPU interpreter truncates the fp32 sum to bf16 (-11.035 -> -11.0, torch's add rounds to the
+        # nearest, -11.0625); the GPU rounds to nearest as torch does and is held to equality.
+        torch.testing.assert_close(stores[0], stores[1], rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(stores[0], stores[1])
+    assert not torch.equal(stores[0], before)  # it wrote
+
+
 def _tol(dtype):
     return 1e-5 if dtype == torch.float32 else 2e-2  # bf16: a rounding step or two of the output
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from common.distributed import Comm, init_tp
-from common.kernels import fused, skinny
+from common.kernels import fused, onednn, skinny
 from common.kv_cache import KVCache
 from common.loader import load_model
 from common.models.generate import forward_rows
@@ -275,7 +275,9 @@ def test_graphed_pdl_forward_equals_stream_order(tmp_path, monkeypatch, stream_m
 def test_describe_names_the_kernel_path(monkeypatch):
     """The start-up log's account of the forward's kernels, per switch."""
     x = torch.empty(1)
-    assert skinny.describe(x) == "torch references"  # the CPU
+    assert skinny.describe(x) == "torch references, oneDNN packed linears"  # the CPU
+    monkeypatch.setattr(onednn, "ENABLED", False)
+    assert skinny.describe(x) == "torch references"
     monkeypatch.setattr(fused, "on_gpu", lambda t: True)
     monkeypatch.setattr(fused, "pdl", lambda t: False)
     assert skinny.describe(x) == "Triton fused kernels, PDL off, cuBLAS GEMMs"

@@ -1,5 +1,6 @@
 """Fused kernels for the GPU forward: (residual-add +) RMSNorm, SiLU-and-mul, rotary + KV-cache write,
-and decode / verify attention over the live KV of each row (split-KV, flash-decoding style).
+decode / verify attention over the live KV of each row (split-KV, flash-decoding style), and the write of
+a feature draft's features into the target's FeatureStore.
 
 In eager PyTorch each is a chain of small kernels (upcast, square, mean, rsqrt, scale, downcast, weight;
 split, negate, concat, products, index_put; gather of the cache, two matmuls, mask, softmax). At small
@@ -152,6 +153,63 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tup
                                          HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(dim),
                                          **launch_options(x))  # fmt: skip
     return out.view(x.shape), res_out.view(x.shape)
+
+
+@triton.jit
+def _feature_write_kernel(
+    x_ptr,  # [B * L, H] a layer's input stream before its residual add, row stride `x_stride`
+    res_ptr,  # [B * L, H] the residual, row stride `res_stride` (read only when HAS_RESIDUAL)
+    slots_ptr,  # [B] int64 each row's slot in the store
+    positions_ptr,  # [B * L] int64 each token's position
+    data_ptr,  # [S, T, F] the store, contiguous
+    x_stride,
+    res_stride,
+    L,
+    T,
+    F,
+    offset,  # the layer's first feature column: its index among the store's layers x H
+    H,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _kernel_start(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    v = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # rounded to x's dtype first, as `x + residual` does in eager PyTorch
+        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
+        v = (v.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    slot = tl.load(slots_ptr + row // L)
+    pos = tl.load(positions_ptr + row)
+    dst = data_ptr + (slot * T + pos) * F + offset + cols
+    tl.store(dst, v.to(data_ptr.dtype.element_ty), mask=mask)
+
+
+def feature_write(
+    data: Tensor, slots: Tensor, positions: Tensor, x: Tensor, residual: Tensor | None, offset: int
+) -> None:
+    """data [S, T, F]; slots [B]; positions [B, L]; x, residual [B, L, H] -> data[slots[b], positions[b, l],
+    offset : offset + H] = x + residual, rounded to x's dtype, then stored in data's: one launch per
+    captured layer, where the eager add, concatenation and index_put take several per step."""
+    x2 = rows_of(x)
+    r2 = x2 if residual is None else rows_of(residual)
+    batch, length = positions.shape
+    if batch * length:
+        _feature_write_kernel[(batch * length,)](x2, r2, slots, positions.contiguous(), data, x2.stride(0),
+                                                 r2.stride(0), length, data.shape[1], data.shape[2], offset,
+                                                 x.shape[-1], HAS_RESIDUAL=residual is not None,
+                                                 BLOCK=triton.next_power_of_2(x.shape[-1]),
+                                                 **launch_options(x))  # fmt: skip
+
+
+def feature_write_reference(
+    data: Tensor, slots: Tensor, positions: Tensor, x: Tensor, residual: Tensor | None, offset: int
+) -> None:
+    stream = x if residual is None else x + residual
+    data[slots[:, None], positions, offset : offset + x.shape[-1]] = stream.to(data.dtype)
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:

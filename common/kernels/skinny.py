@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from common.kernels import fused
+from common.kernels import fused, onednn
 
 # SPECSPLIT_SKINNY_LINEAR=0 keeps cuBLAS for every GEMM (A/B comparisons).
 ENABLED = os.environ.get("SPECSPLIT_SKINNY_LINEAR", "1") != "0"
@@ -362,13 +362,15 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, glu: bool = Fa
             return skinny_linear(x, weight, bias)
         if STREAM_ENABLED and streams(rows, weight):
             return stream_linear(x, weight, bias)
+    elif (out := onednn.linear(x, weight, bias)) is not None:  # the CPU, a weight packed at load
+        return out
     return F.linear(x, weight, bias)
 
 
 def describe(x: Tensor) -> str:
     """The forward's kernel path for a model whose tensors are like x, for the start-up log."""
     if not fused.on_gpu(x):
-        return "torch references"
+        return "torch references, oneDNN packed linears" if onednn.available() else "torch references"
     if not fused.pdl(x):
         return "Triton fused kernels, PDL off, cuBLAS GEMMs"
     small = f"skinny_linear up to {MAX_ROWS} rows" if ENABLED else "skinny_linear off"

@@ -131,3 +131,7 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+# Every module above applies its `weight` through `linear` (the loader packs them for the CPU: onednn.py).
+LINEAR_LAYERS = (ColumnParallelLinear, RowParallelLinear, MergedColumnParallelLinear, ReplicatedLinear)

@@ -17,6 +17,8 @@ at up to 16 rows too); on the CPU the torch references of the same.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -197,12 +199,12 @@ class Transformer(nn.Module):
         still written to slots[b]; prefix_len[b] = 0 makes row b a plain row. No host syncs either way.
         """
         store = self.feature_store
-        hidden, streams = self.forward_streams(
-            input_ids, positions, slots, cache, ctx_len, store.layers if store is not None else (), prefix
-        )
-        if streams:
-            store.write(slots, positions, streams)
-        return hidden
+        if store is None:
+            return self.forward_streams(input_ids, positions, slots, cache, ctx_len, (), prefix)[0]
+        write = partial(store.write_stream, slots, positions)
+        return self.forward_streams(input_ids, positions, slots, cache, ctx_len, store.layers, prefix, write)[
+            0
+        ]
 
     def forward_streams(
         self,
@@ -213,14 +215,18 @@ class Transformer(nn.Module):
         ctx_len: int,
         layers: tuple[int, ...] = (),
         prefix: tuple[Tensor, Tensor] | None = None,
+        write: Callable[[int, Tensor, Tensor | None], None] | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """`forward`, and the residual streams entering each of `layers` ([B, L, hidden] each): the
-        features a feature draft reads (common/features.py)."""
+        features a feature draft reads (common/features.py). With `write`, write(j, x, residual) gets
+        the j-th of them as its two terms instead (a FeatureStore's), and the list stays empty."""
         rope = self.rotary.table(cache.max_len)  # every position the cache holds
         x, residual = self.model.embed_tokens(input_ids), None
         streams = []
         for i, layer in enumerate(self.model.layers):
-            if i in layers:
+            if i in layers and write is not None:
+                write(layers.index(i), x, residual)
+            elif i in layers:
                 streams.append(x if residual is None else x + residual)
             x, residual = layer(x, residual, rope, slots, positions, cache.k[i], cache.v[i], ctx_len, prefix)
         return self.model.norm(x, residual)[0], streams
