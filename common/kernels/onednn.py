@@ -23,6 +23,10 @@ import torch
 from torch import Tensor, nn
 
 ENABLED = os.environ.get("SPECSPLIT_ONEDNN", "1") != "0"
+# Calls of more rows stay on F.linear: the few rows of a small batch's decode or verify step are where
+# MKL's packing per call dominates, and oneDNN over every shape a server sees (prefills, large batches)
+# grew a CPU target's memory by 4-8 % over a 64-stream soak against 1-3 % here (tests/test_load.py).
+MAX_ROWS = 8
 
 
 def available() -> bool:
@@ -48,9 +52,11 @@ def pack_modules(modules: Iterable[nn.Module]) -> int:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:
     """x [..., K] @ weight [N, K].T + bias [N] through the packed weight, or None where there is none
-    (not packed, changed since, or a gradient is needed)."""
+    (not packed, changed since, a gradient needed, or more than MAX_ROWS rows)."""
     packed = getattr(weight, "onednn", None)
     if packed is None or packed[1] != weight._version or x.dtype != torch.float32:
+        return None
+    if x.numel() > MAX_ROWS * x.shape[-1]:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
