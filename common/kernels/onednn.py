@@ -40,14 +40,10 @@ def pack(weight: Tensor) -> None:
             weight.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight.detach()), weight._version)  # type: ignore[attr-defined]
 
 
-def pack_modules(modules: Iterable[nn.Module]) -> int:
-    """Packs the `weight` of each module (ones that apply it as a linear layer); returns how many it
-    packed."""
-    count = 0
+def pack_modules(modules: Iterable[nn.Module]) -> None:
+    """Packs the `weight` of each module (ones that apply it as a linear layer)."""
     for module in modules:
         pack(module.weight)
-        count += hasattr(module.weight, "onednn")
-    return count
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor | None:

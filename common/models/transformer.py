@@ -199,12 +199,10 @@ class Transformer(nn.Module):
         still written to slots[b]; prefix_len[b] = 0 makes row b a plain row. No host syncs either way.
         """
         store = self.feature_store
-        if store is None:
-            return self.forward_streams(input_ids, positions, slots, cache, ctx_len, (), prefix)[0]
-        write = partial(store.write_stream, slots, positions)
-        return self.forward_streams(input_ids, positions, slots, cache, ctx_len, store.layers, prefix, write)[
-            0
-        ]
+        layers = () if store is None else store.layers
+        write = None if store is None else partial(store.write_stream, slots, positions)
+        hidden, _ = self.forward_streams(input_ids, positions, slots, cache, ctx_len, layers, prefix, write)
+        return hidden
 
     def forward_streams(
         self,
