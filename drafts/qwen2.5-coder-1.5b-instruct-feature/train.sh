@@ -12,13 +12,15 @@
 #         and a rank-32 Markov head (about 60 MB in bf16); training-time test over 4 drafted positions,
 #         1500 steps, for at most TRAIN_MIN minutes (8.5);
 #   B. more data, more steps ($RUN/run/draft, the draft this recipe ships):
-#      3. fresh data (seed 1: other sampled answers and self-instruct questions, two answers per prompt at
-#         T = 0.7) from SHARDS (3) generator processes sharing the GPU, for at most MORE_DATA_MIN (3);
+#      3. fresh data (MORE_SEED, 1: other sampled answers and self-instruct questions, two answers per
+#         prompt at T = 0.7) from SHARDS (3) generator processes sharing the GPU, for at most
+#         MORE_DATA_MIN (3);
 #      4. the base draft trained on it from a lower peak lr (1e-3), cosine over MORE_STEPS (1400) steps,
 #         for at most MORE_TRAIN_MIN minutes (6) from the start of the process; then the held-out
 #         acceptance at k = 1..6 as served (EVAL_PROMPTS held-out coding prompts, $RUN/run/eval.json).
 #   GGUF=qwen2.5-coder-1.5b-instruct RUN=/tmp/qwen drafts/qwen2.5-coder-1.5b-instruct-feature/train.sh
 #   INIT=drafts/qwen2.5-coder-1.5b-instruct-feature GGUF=... RUN=...   # stage B from the shipped draft
+#   INIT=... MORE_SEED=2 ...   # a further stage B from it on data it has not seen (other seed, other questions)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
@@ -44,7 +46,7 @@ fi
 
 # Stage B's data: shard 0 writes the self-instruct questions first, the other shards start once they exist.
 # The training run lists the same batches (seed, temperatures, samples per prompt) to find every part.
-MORE_DATA=(--data-dir "$RUN/data-more" --seed 1 --samples-per-prompt 2)
+MORE_DATA=(--data-dir "$RUN/data-more" --seed "${MORE_SEED:-1}" --samples-per-prompt 2)
 MORE=("${MORE_DATA[@]}" --self-instruct "${MORE_SELF_INSTRUCT:-2000}" --data-only
   --max-minutes "${MORE_DATA_MIN:-3}")
 SHARDS=${SHARDS:-3}
