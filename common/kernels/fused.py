@@ -93,6 +93,14 @@ def _kernel_start(PDL: tl.constexpr):
 
 
 @triton.jit
+def _add_residual(x, res_ptrs, mask, like_ptr):
+    """x + the residual at res_ptrs (a block of pointers, masked), rounded to like_ptr's element type: the
+    model dtype, as `x + residual` rounds in eager PyTorch (the stream a layer reads, and a feature)."""
+    r = tl.load(res_ptrs, mask=mask, other=0.0)
+    return (x.to(tl.float32) + r.to(tl.float32)).to(like_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [rows, dim] any float dtype, row stride `stride`
     res_ptr,  # [rows, dim] residual, row stride `res_stride` (read only when HAS_RESIDUAL)
@@ -113,9 +121,7 @@ def _rms_norm_kernel(
     mask = cols < dim
     x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        # The residual add rounds to the model dtype first, as `x + residual` does in eager PyTorch.
-        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        x = (x + r).to(out_ptr.dtype.element_ty)
+        x = _add_residual(x, res_ptr + row * res_stride + cols, mask, out_ptr)
         tl.store(res_out_ptr + row * dim + cols, x, mask=mask)
         x = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
@@ -179,9 +185,7 @@ def _feature_write_kernel(
     mask = cols < H
     v = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        # rounded to x's dtype first, as `x + residual` does in eager PyTorch
-        r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
-        v = (v.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        v = _add_residual(v, res_ptr + row * res_stride + cols, mask, x_ptr)
     slot = tl.load(slots_ptr + row // L)
     pos = tl.load(positions_ptr + row)
     dst = data_ptr + (slot * T + pos) * F + offset + cols
