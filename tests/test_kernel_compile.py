@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
     from common.kernels import fused, skinny
 
     FP32_PTRS = {"cos_ptr", "sin_ptr", "lse_ptr", "part_ptr"}
-    INT_PTRS = {"pos_ptr", "slot_ptr", "prefix_slot_ptr", "prefix_len_ptr"}
+    INT_PTRS = {"pos_ptr", "slot_ptr", "prefix_slot_ptr", "prefix_len_ptr", "slots_ptr", "positions_ptr"}
 
     def signature(fn):
         sig = {}
@@ -75,6 +75,7 @@ SCRIPT = textwrap.dedent(
            for name, block_m, tiles in [("16", 16, skinny.GLU_TILES), ("128", 128, skinny.GLU_TILES_WIDE),
                                         ("128_narrow", 128, skinny.GLU_TILES)]},
         "rms_norm": compile_(fused._rms_norm_kernel, HAS_RESIDUAL=True, BLOCK=2048, PDL=True),
+        "feature_write": compile_(fused._feature_write_kernel, HAS_RESIDUAL=True, BLOCK=2048, PDL=True),
         "silu_and_mul": compile_(fused._silu_and_mul_kernel, BLOCK=1024, PDL=True),
         "attention": compile_(fused._attention_kernel, PDL=True, ROTARY=False, **attention),
         "rotary_attention": compile_(fused._attention_kernel, PDL=True, ROTARY=True, **attention),
@@ -99,7 +100,15 @@ def compiled():
 
 
 def test_pdl_kernels_carry_griddepcontrol(compiled):
-    for name in ("skinny", "rms_norm", "silu_and_mul", "attention", "rotary_attention", "attention_combine"):
+    for name in (
+        "skinny",
+        "rms_norm",
+        "feature_write",
+        "silu_and_mul",
+        "attention",
+        "rotary_attention",
+        "attention_combine",
+    ):
         assert compiled[name]["wait"] and compiled[name]["launch"], name
     for name in ("skinny_no_pdl", "attention_no_pdl"):  # power: the check tells the variants apart
         assert not compiled[name]["wait"] and not compiled[name]["launch"], name
