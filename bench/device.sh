@@ -300,9 +300,10 @@ ready() {
 }
 
 # Where a feature draft's speculative step goes, on random weights (bench/synthetic_feature.py): a target
-# with no draft and one with the feature draft inside it at fixed k = 4, at BATCHES streams (1 16 64), each
-# with its step trace and both services' metrics scraped after the run; the speculative target's steps
-# PROFILE_STEPS (FIRST,COUNT; 300,100: inside the first of BATCHES) under torch.profiler (--profile-dir).
+# with no draft and one with the feature draft inside it at fixed k = 4 (POLICY=adaptive: the policy rests on
+# this never-right draft), at BATCHES streams (1 16 64), each with its step trace and both services' metrics
+# scraped after the run; both targets' steps PROFILE_STEPS (FIRST,COUNT; 300,100: inside the first of
+# BATCHES) under torch.profiler (--profile-dir: prof-plain and prof).
 # RANGE_RATIO (0) spreads the prompt and output lengths (bench-serve --range-ratio): requests then start and
 # finish at different steps, as in serving. TARGET_FLAGS go to both targets. Acceptance is about zero: cost
 # only, not speedup.
@@ -315,10 +316,10 @@ profile-feature() {
     local common=(--model "$d/target" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --max-batch-size 64
                   ${TARGET_FLAGS:-})
     $PY -m target_service "${common[@]}" --port 50071 --metrics-port 9471 --step-trace "$d/plain-steps.jsonl" \
-      > "$d/plain.log" 2>&1 &
+      --profile-dir "$d/prof-plain" --profile-steps "${PROFILE_STEPS:-300,100}" > "$d/plain.log" 2>&1 &
     local p1=$!
     $PY -m target_service "${common[@]}" --port 50072 --metrics-port 9472 --step-trace "$d/spec-steps.jsonl" \
-      --draft-local "--model $d/draft --metrics-port 9473" --speculation-policy fixed --num-speculative-tokens 4 \
+      --draft-local "--model $d/draft --metrics-port 9473" --speculation-policy "${POLICY:-fixed}" --num-speculative-tokens 4 \
       --profile-dir "$d/prof" --profile-steps "${PROFILE_STEPS:-300,100}" > "$d/spec.log" 2>&1 &
     local p2=$!
     ready $p1 50071 "$d/plain.log" && ready $p2 50072 "$d/spec.log" || { kill $p1 $p2; return 1; }
@@ -365,10 +366,12 @@ for port in (9472, 9473):
             n = sums.get(name.replace("_sum", "_count"), 0)
             if n:
                 print(port, name.replace("_sum", ""), "mean ms", round(1e3 * sums[name] / n, 4), "n", int(n))
-print(open(f"{d}/prof/summary.json").read().strip())
+print("plain", open(f"{d}/prof-plain/summary.json").read().strip())
+print("spec", open(f"{d}/prof/summary.json").read().strip())
 PY
     cp "$d/prof/kernels.txt" "$OUT/kernels-$preset.txt" 2>/dev/null
-    tar czf "$OUT/profile-$preset.tgz" -C "$d" prof plain-steps.jsonl spec-steps.jsonl plain.log spec.log
+    cp "$d/prof-plain/kernels.txt" "$OUT/kernels-plain-$preset.txt" 2>/dev/null
+    tar czf "$OUT/profile-$preset.tgz" -C "$d" prof prof-plain plain-steps.jsonl spec-steps.jsonl plain.log spec.log
   done
 }
 

@@ -59,12 +59,14 @@ class SimulatedRunner:
         self.batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
         self.feature_store = None  # no feature draft
         self.step_costs: dict = {}
-        self.executor = self  # prefill: executor.run("prefill", ...) does nothing here
+        self.executor = self  # prefill: executor.run("prefill", rows=...) records its rows' count
         self.widths: list[int] = []  # the width of every step
+        self.prefills: list[int] = []  # the rows of every prefill (requests joining the batch at once)
         self.captures_at_serving = 0  # no graphs to capture
 
-    def run(self, *_args, **_kwargs) -> None:
-        return None
+    def run(self, what: str, rows=(), **_kwargs) -> None:
+        if what == "prefill":
+            self.prefills.append(len(rows))
 
     def step(self, rows, width: int, on_launched=None, on_verified=None) -> StepResult:
         self.widths.append(width)
@@ -169,6 +171,7 @@ def run(
     stream_messages_per_step: int | None = None,
     step_trace: str = "",
     requests: int = 0,
+    admit_wait_steps: int | None = None,
 ) -> dict:
     """`batch` requests of `steps` tokens through the serving loop; k > 0 attaches `draft` (default: one
     that answers at once). `drain`: request i of B wants steps * (i + 1) / B tokens, so the batch drains
@@ -181,6 +184,8 @@ def run(
                           stream_interval=stream_interval, step_trace=step_trace)  # fmt: skip
     if stream_messages_per_step is not None:  # else the target's default
         config.stream_messages_per_step = stream_messages_per_step
+    if admit_wait_steps is not None:  # else the target's default
+        config.admit_wait_steps = admit_wait_steps
     registry = CollectorRegistry()
     metrics = ServiceMetrics("target", "host-path", registry=registry)
     runner = runner or SimulatedRunner()

@@ -38,6 +38,16 @@ class TargetConfig(ServiceConfig):
     max_speculative_tokens: int = flag(8, "largest k a request may ask for")
     max_batch_size: int = flag(32, "requests verified together (= target KV slots)")
     max_queued_requests: int = flag(256, "waiting requests before RESOURCE_EXHAUSTED")
+    admit_wait_steps: int = flag(
+        8,
+        "while a batch decodes, waiting requests join it in groups: once --admit-group of the batch they "
+        "would make fits, or once the first has waited this many steps (an empty batch takes them at once). "
+        "Each join is a prefill forward that reads every weight, however few its rows; a speculating "
+        "batch, whose requests finish at different steps, otherwise pays one almost every step. 0 = at once",
+    )
+    admit_group: float = flag(
+        0.125, "the share of the batch a group of joining requests fills (--admit-wait-steps)"
+    )
     max_stop_strings: int = flag(16, "stop strings per request")
     max_stop_string_length: int = flag(256, "characters per stop string")
     speculation_policy: str = flag(
@@ -98,6 +108,10 @@ class TargetConfig(ServiceConfig):
             raise ValueError("--max-speculative-tokens: must be <= 64")
         if self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests: must be >= 0")
+        if self.admit_wait_steps < 0:
+            raise ValueError("--admit-wait-steps: must be >= 0 (0: admit at once)")
+        if not 0 <= self.admit_group <= 1:
+            raise ValueError("--admit-group: must be in [0, 1]")
         if self.max_stream_backlog < 1:
             raise ValueError("--max-stream-backlog: must be >= 1")
         if self.prefill_graph_tokens < 0:

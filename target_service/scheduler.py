@@ -70,6 +70,8 @@ class Scheduler:
         self.slots = SlotTable(config.max_batch_size)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.deferred_steps = 0  # steps the waiting requests that fit have waited for their group (_due)
+        self.batch_peak = 0  # the most requests running at once since the batch was last empty (_due)
         self.by_id: dict[str, Request] = {}
         self.delivering = 0  # finished requests whose last message the streamer has not written yet
         self.lock = threading.Condition()
@@ -174,9 +176,28 @@ class Scheduler:
             reason = FINISH.FINISH_REASON_STOP_STRING if req.cancelled == "stop_string" else None
             self._finish(req, reason or FINISH.FINISH_REASON_ABORTED)
 
+    def _due(self, fits: int) -> bool:
+        """Whether the `fits` waiting requests that fit join the batch now (`--admit-wait-steps`): into an
+        empty batch always; else once they fill --admit-group of the batch (its peak since it was last
+        empty: the slots of finished requests whose clients have not sent the next one yet count), or once
+        they have waited --admit-wait-steps steps. A join costs a prefill forward however few its rows."""
+        wait = self.config.admit_wait_steps
+        if not self.running:
+            self.batch_peak = 0
+            return True
+        if wait == 0:
+            return True
+        group = max(1, int(max(self.batch_peak, len(self.running) + fits) * self.config.admit_group))
+        return fits >= group or self.deferred_steps >= wait
+
     def _admit(self) -> None:
         admitted = []
         with self.lock:
+            fits = min(len(self.waiting), self.config.max_batch_size - len(self.running), self.slots.num_free)
+            if fits and not self._due(fits):
+                self.deferred_steps += 1
+                return
+            self.deferred_steps = 0
             while (
                 self.waiting
                 and len(self.running) + len(admitted) < self.config.max_batch_size
@@ -201,6 +222,7 @@ class Scheduler:
             self.slots.lengths[req.slot] = len(req.prompt) - 1
         with self.lock:
             self.running.extend(admitted)
+            self.batch_peak = max(self.batch_peak, len(self.running))
         self._update_gauges()
 
     def _update_gauges(self) -> None:
