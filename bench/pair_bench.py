@@ -12,7 +12,9 @@ All targets start at once on one device (`--configs`, each its own process):
   classic   a plain small LM as the draft inside the target (--classic), adaptive;
   remote    the feature draft as its own service (python -m draft_service) on the same device, the target
             with --draft-address, adaptive; only at --remote-batches;
-  remote-fixed  the same with the fixed policy (k = --k every step).
+  remote-fixed  the same with the fixed policy (k = --k every step);
+  plain-at-once, adaptive-at-once  plain and adaptive with requests joining the batch at once
+            (--admit-wait-steps 0), not in groups.
 Then --repeats interleaved rounds: per round, per batch (streams), every config in turn runs bench-serve
 over the held-out prompts (--prompts: chat or coding, common/training/prompts.py, never trained on) with
 --check-greedy. Each run's JSON and its metric deltas go to --out as they finish; past --deadline-s no
@@ -49,7 +51,18 @@ from common.training.prompts import PROMPT_SETS  # noqa: E402
 from specsplit.catalog import CATALOG, cached_path, is_fetched  # noqa: E402
 from specsplit.launch import ServiceProcess, _samples, free_port, metric_sum, start_service  # noqa: E402
 
-CONFIGS = ("plain", "adaptive", "fixed", "never", "classic", "remote", "remote-fixed")
+CONFIGS = (
+    "plain",
+    "adaptive",
+    "fixed",
+    "never",
+    "classic",
+    "remote",
+    "remote-fixed",
+    "plain-at-once",
+    "adaptive-at-once",
+)
+AT_ONCE = "-at-once"  # the config before it, with --admit-wait-steps 0
 REMOTE = ("remote", "remote-fixed")
 PROMPT_KINDS = {"chat": "general", "coding": "coding"}
 TARGET_SERIES = {
@@ -143,14 +156,15 @@ def start_configs(args, draft: Path | None, never: Path | None, logs: Path) -> d
               "--num-speculative-tokens", str(args.k)]  # fmt: skip
     started: dict[str, tuple] = {}
     for name in args.configs:
-        extra: list[str] = []
+        base = name.removesuffix(AT_ONCE)
+        extra: list[str] = ["--admit-wait-steps", "0"] if base != name else []
         draft_port = None
         draft_proc = None
-        model = {"adaptive": draft, "fixed": draft, "never": never, "classic": args.classic}.get(name)
-        if name in ("adaptive", "fixed", "never", "classic"):
+        model = {"adaptive": draft, "fixed": draft, "never": never, "classic": args.classic}.get(base)
+        if base in ("adaptive", "fixed", "never", "classic"):
             draft_port = free_port()
-            extra = ["--draft-local", f"--model {model} --metrics-port {draft_port}",
-                     "--speculation-policy", "fixed" if name == "fixed" else "adaptive"]  # fmt: skip
+            extra += ["--draft-local", f"--model {model} --metrics-port {draft_port}",
+                      "--speculation-policy", "fixed" if base == "fixed" else "adaptive"]  # fmt: skip
         elif name in REMOTE:
             draft_proc = start_service(
                 "draft_service",
@@ -205,7 +219,7 @@ def run(args) -> dict:
     if args.classic:
         args.classic = model_path(args.classic)
     draft = Path(args.draft) if args.draft else None
-    needs_draft = {"adaptive", "fixed", "never", *REMOTE} & set(args.configs)
+    needs_draft = {"adaptive", "fixed", "never", "adaptive-at-once", *REMOTE} & set(args.configs)
     if needs_draft and (draft is None or not (draft / "config.json").exists()):
         raise SystemExit(
             f"--draft: {args.draft!r} is no draft directory (configs {sorted(needs_draft)} need one)"
