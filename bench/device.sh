@@ -15,6 +15,8 @@
 #                                                 drafts/smollm2-135m-instruct-feature: stage B from it)
 #   bench/device.sh feature [DRAFT]               SmolLM2 + a feature draft in the target, bench-serve
 #                                                 (CONFIGS="plain never" BATCHES="16 64": a subset)
+#   bench/device.sh admission                     requests joining in groups against at once, on random weights
+#                                                 of real shapes, lengths spread (CONFIGS, PRESET, BATCH)
 #   bench/device.sh profile-feature               what a feature draft's step costs, on random weights of
 #                                                 real shapes (PRESETS="smollm2 qwen1.5b")
 #   bench/device.sh qwen-train                    drafts/qwen2.5-coder-1.5b-instruct-feature/train.sh
@@ -375,12 +377,55 @@ PY
   done
 }
 
+# Requests joining a decoding batch in groups (the default) against at once (--admit-wait-steps 0), on
+# random weights of real shapes (bench/synthetic_feature.py, PRESET qwen1.5b): a plain target and one with
+# the feature draft inside it at fixed k = 4 (acceptance about zero: it times the wider steps, not a
+# speedup), each both ways, BATCH (64) streams of prompts and outputs (OUT_LEN 256) spread +-50 % (bench-serve
+# --range-ratio 0.5, so requests finish at different steps), REPEATS (3) interleaved runs. Prints each
+# run's tok/s, its median time to first token and each target's steps; CONFIGS picks a subset.
+admission() {
+  local d=/tmp/admission b=${BATCH:-64} i pids=()
+  # shellcheck disable=SC2206 # the configs are words
+  local names=(${CONFIGS:-plain plain-at-once spec spec-at-once})
+  local dev=(--device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}")
+  rm -rf "$d" && $PY bench/synthetic_feature.py "$d" --preset "${PRESET:-qwen1.5b}" --dtype "${DTYPE:-bfloat16}" \
+    >/dev/null || return 1
+  for i in "${!names[@]}"; do
+    local name=${names[$i]} flags=(--model "$d/target" "${dev[@]}" --max-batch-size "$b")
+    [[ $name == spec* ]] && flags+=(--draft-local "--model $d/draft --metrics-port $((9490 + i))"
+                                    --speculation-policy fixed)
+    [[ $name == *at-once ]] && flags+=(--admit-wait-steps 0)
+    $PY -m target_service "${flags[@]}" --port $((50080 + i)) --metrics-port $((9480 + i)) \
+      --step-trace "$d/$name-steps.jsonl" > "$d/$name.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!names[@]}"; do ready "${pids[$i]}" $((50080 + i)) "$d/${names[$i]}.log" || { kill "${pids[@]}"; return 1; }; done
+  for r in $(seq "${REPEATS:-3}"); do for i in "${!names[@]}"; do
+    $PY -m specsplit.cli bench-serve --target "localhost:$((50080 + i))" --num-prompts $((3 * b)) \
+      --max-concurrency "$b" --input-len 64 --output-len "${OUT_LEN:-256}" --range-ratio 0.5 --seed "$r" --no-progress \
+      --result-json "$d/${names[$i]}-r$r.json" > /dev/null 2>&1
+  done; done
+  kill "${pids[@]}" 2>/dev/null
+  wait "${pids[@]}" 2>/dev/null
+  $PY - "$d" "${REPEATS:-3}" "${names[@]}" <<'PY' | tee "$OUT/admission.txt"
+import json, statistics, sys
+d, reps, *names = sys.argv[1:]
+for name in names:
+    runs = [json.load(open(f"{d}/{name}-r{r}.json")) for r in range(1, int(reps) + 1)]
+    tput = [j["output_throughput"] for j in runs]
+    steps = sum(1 for _ in open(f"{d}/{name}-steps.jsonl"))
+    print(f"{name}: tok/s {[round(t) for t in tput]} median {statistics.median(tput):.0f}; "
+          f"TTFT p50 ms {[round(j['ttft_ms']['p50'], 1) for j in runs]}; steps {steps}")
+PY
+  (cd "$d" && tar czf "$OUT/admission.tgz" ./*-steps.jsonl)
+}
+
 verb=${1:-}
 shift || true
 case $verb in
   transfer) transfer ;;
   wheels) install_wheels ;;
-  e2e | real | kernels | profile | tests | sweep | train | feature-train | feature | profile-feature | qwen-train | qwen-bench)
+  e2e | real | kernels | profile | tests | sweep | train | feature-train | feature | profile-feature | admission | qwen-train | qwen-bench)
     install_wheels || exit 5
     "$verb" "$@"
     ;;
