@@ -377,7 +377,7 @@ PY
   done
 }
 
-# Requests joining a decoding batch in groups (the default) against at once (--admit-wait-steps 0), on
+# Requests joining a decoding batch in groups (--admit-wait-steps 8) against at once (the default), on
 # random weights of real shapes (bench/synthetic_feature.py, PRESET qwen1.5b): a plain target and one with
 # the feature draft inside it at fixed k = 4 (acceptance about zero: it times the wider steps, not a
 # speedup), each both ways, BATCH (64) streams of prompts and outputs (OUT_LEN 256) spread +-50 % (bench-serve
@@ -386,7 +386,7 @@ PY
 admission() {
   local d=/tmp/admission b=${BATCH:-64} i pids=()
   # shellcheck disable=SC2206 # the configs are words
-  local names=(${CONFIGS:-plain plain-at-once spec spec-at-once})
+  local names=(${CONFIGS:-plain plain-grouped spec spec-grouped})
   local dev=(--device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}")
   rm -rf "$d" && $PY bench/synthetic_feature.py "$d" --preset "${PRESET:-qwen1.5b}" --dtype "${DTYPE:-bfloat16}" \
     >/dev/null || return 1
@@ -394,7 +394,7 @@ admission() {
     local name=${names[$i]} flags=(--model "$d/target" "${dev[@]}" --max-batch-size "$b")
     [[ $name == spec* ]] && flags+=(--draft-local "--model $d/draft --metrics-port $((9490 + i))"
                                     --speculation-policy fixed)
-    [[ $name == *at-once ]] && flags+=(--admit-wait-steps 0)
+    [[ $name == *grouped ]] && flags+=(--admit-wait-steps 8)
     $PY -m target_service "${flags[@]}" --port $((50080 + i)) --metrics-port $((9480 + i)) \
       --step-trace "$d/$name-steps.jsonl" > "$d/$name.log" 2>&1 &
     pids+=($!)

@@ -13,8 +13,8 @@ All targets start at once on one device (`--configs`, each its own process):
   remote    the feature draft as its own service (python -m draft_service) on the same device, the target
             with --draft-address, adaptive; only at --remote-batches;
   remote-fixed  the same with the fixed policy (k = --k every step);
-  plain-at-once, adaptive-at-once  plain and adaptive with requests joining the batch at once
-            (--admit-wait-steps 0), not in groups.
+  plain-grouped, adaptive-grouped  plain and adaptive with requests joining the batch in groups
+            (--admit-wait-steps 8), not at once.
 Then --repeats interleaved rounds: per round, per batch (streams), every config in turn runs bench-serve
 over the held-out prompts (--prompts: chat or coding, common/training/prompts.py, never trained on) with
 --check-greedy. Each run's JSON and its metric deltas go to --out as they finish; past --deadline-s no
@@ -59,10 +59,10 @@ CONFIGS = (
     "classic",
     "remote",
     "remote-fixed",
-    "plain-at-once",
-    "adaptive-at-once",
+    "plain-grouped",
+    "adaptive-grouped",
 )
-AT_ONCE = "-at-once"  # the config before it, with --admit-wait-steps 0
+GROUPED = "-grouped"  # the config before it, with --admit-wait-steps 8
 REMOTE = ("remote", "remote-fixed")
 PROMPT_KINDS = {"chat": "general", "coding": "coding"}
 TARGET_SERIES = {
@@ -156,8 +156,8 @@ def start_configs(args, draft: Path | None, never: Path | None, logs: Path) -> d
               "--num-speculative-tokens", str(args.k)]  # fmt: skip
     started: dict[str, tuple] = {}
     for name in args.configs:
-        base = name.removesuffix(AT_ONCE)
-        extra: list[str] = ["--admit-wait-steps", "0"] if base != name else []
+        base = name.removesuffix(GROUPED)
+        extra: list[str] = ["--admit-wait-steps", "8"] if base != name else []
         draft_port = None
         draft_proc = None
         model = {"adaptive": draft, "fixed": draft, "never": never, "classic": args.classic}.get(base)
@@ -219,7 +219,7 @@ def run(args) -> dict:
     if args.classic:
         args.classic = model_path(args.classic)
     draft = Path(args.draft) if args.draft else None
-    needs_draft = {"adaptive", "fixed", "never", "adaptive-at-once", *REMOTE} & set(args.configs)
+    needs_draft = {"adaptive", "fixed", "never", "adaptive-grouped", *REMOTE} & set(args.configs)
     if needs_draft and (draft is None or not (draft / "config.json").exists()):
         raise SystemExit(
             f"--draft: {args.draft!r} is no draft directory (configs {sorted(needs_draft)} need one)"

@@ -39,7 +39,7 @@ class TargetConfig(ServiceConfig):
     max_batch_size: int = flag(32, "requests verified together (= target KV slots)")
     max_queued_requests: int = flag(256, "waiting requests before RESOURCE_EXHAUSTED")
     admit_wait_steps: int = flag(
-        8,
+        0,
         "while a batch decodes, waiting requests join it in groups: once --admit-group of the batch they "
         "would make fits, or once the first has waited this many steps (an empty batch takes them at once). "
         "Each join is a prefill forward that reads every weight, however few its rows; a speculating "

@@ -1,4 +1,4 @@
-"""Requests joining a decoding batch in groups (`--admit-wait-steps`, `--admit-group`): each join is a
+"""Requests joining a decoding batch in groups (`--admit-wait-steps 8`, `--admit-group`): each join is a
 prefill forward that reads every weight however few rows it has, and a speculating batch finishes its
 requests at different steps, so joining one by one pays that forward almost every step. Through the real
 serving loop (Scheduler, DraftSession, streamer) with bench/host_path.py's simulated runner and draft."""
@@ -41,6 +41,7 @@ def test_a_speculating_batch_admits_in_groups():
 
 
 def test_when_requests_join():
+    assert TargetConfig(model="none").admit_wait_steps == 0  # at once unless asked for
     config = TargetConfig(model="none", max_batch_size=64, admit_wait_steps=8, admit_group=0.125)
     metrics = ServiceMetrics("target", "admission", registry=CollectorRegistry())
     sched = Scheduler(SimulatedRunner(), config, metrics, None, frozenset())
