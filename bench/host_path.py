@@ -52,9 +52,10 @@ class SimulatedRunner:
     max_context = 1 << 20
 
     def __init__(self, alpha: float = 1.0, step_seconds: float = 0.0, per_position: float = 0.0,
-                 queue_seconds: float = 0.0):  # fmt: skip
+                 queue_seconds: float = 0.0, prefill_seconds: float = 0.0):  # fmt: skip
         self.alpha, self.step_seconds, self.per_position = alpha, step_seconds, per_position
         self.queue_seconds = queue_seconds  # the step waits this long behind other GPU work first
+        self.prefill_seconds = prefill_seconds  # a prefill's GPU time, whatever its rows
         self.rng = random.Random(0)
         self.batch_buckets = [1, 2, 4, 8, 16, 32, 64, 128]
         self.feature_store = None  # no feature draft
@@ -67,6 +68,7 @@ class SimulatedRunner:
     def run(self, what: str, rows=(), **_kwargs) -> None:
         if what == "prefill":
             self.prefills.append(len(rows))
+            time.sleep(self.prefill_seconds)
 
     def step(self, rows, width: int, on_launched=None, on_verified=None) -> StepResult:
         self.widths.append(width)
