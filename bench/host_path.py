@@ -247,16 +247,22 @@ def main() -> int:
     ap.add_argument("--drain", action="store_true", help="staggered lengths: the batch drains (see run)")
     ap.add_argument("--requests", type=int, default=0,
                     help="replace finished requests until this many were submitted (see run)")  # fmt: skip
+    ap.add_argument("--prefill-ms", type=float, default=0.0, help="simulated GPU time of a prefill (a join)")
+    ap.add_argument("--admit-wait-steps", type=int, default=None,
+                    help="the target's --admit-wait-steps (default: its default)")  # fmt: skip
     args = ap.parse_args()
     tokenizer = load_tokenizer()
     for b in args.batch:
-        runner = SimulatedRunner(args.alpha, args.step_ms * 1e-3, args.per_position_ms * 1e-3)
+        runner = SimulatedRunner(args.alpha, args.step_ms * 1e-3, args.per_position_ms * 1e-3,
+                                 prefill_seconds=args.prefill_ms * 1e-3)  # fmt: skip
         draft = SimulatedDraft(args.round_trip_ms * 1e-3)
         t0 = time.perf_counter()
         result = run(b, args.steps, tokenizer, args.k, runner, draft, args.policy, args.stream_interval,
-                     args.drain, args.stream_messages_per_step, requests=args.requests)  # fmt: skip
+                     args.drain, args.stream_messages_per_step, requests=args.requests,
+                     admit_wait_steps=args.admit_wait_steps)  # fmt: skip
         result["tokens_per_s"] = result["tokens"] / (time.perf_counter() - t0)
         result["speculative_steps"] = sum(w > 1 for w in runner.widths)
+        result["joins"] = len(runner.prefills)
         result.pop("outputs")
         print(json.dumps(result), flush=True)
     return 0

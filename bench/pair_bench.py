@@ -219,7 +219,8 @@ def run(args) -> dict:
     if args.classic:
         args.classic = model_path(args.classic)
     draft = Path(args.draft) if args.draft else None
-    needs_draft = {"adaptive", "fixed", "never", "adaptive-grouped", *REMOTE} & set(args.configs)
+    drafted = ("adaptive", "fixed", "never", *REMOTE)
+    needs_draft = {n for n in args.configs if n.removesuffix(GROUPED) in drafted}
     if needs_draft and (draft is None or not (draft / "config.json").exists()):
         raise SystemExit(
             f"--draft: {args.draft!r} is no draft directory (configs {sorted(needs_draft)} need one)"

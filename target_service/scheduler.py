@@ -177,32 +177,24 @@ class Scheduler:
             self._finish(req, reason or FINISH.FINISH_REASON_ABORTED)
 
     def _due(self, fits: int) -> bool:
-        """Whether the `fits` waiting requests that fit join the batch now (`--admit-wait-steps`): into an
-        empty batch always; else once they fill --admit-group of the batch (its peak since it was last
-        empty: the slots of finished requests whose clients have not sent the next one yet count), or once
-        they have waited --admit-wait-steps steps. A join costs a prefill forward however few its rows."""
-        wait = self.config.admit_wait_steps
-        if not self.running:
-            self.batch_peak = 0
-            return True
-        if wait == 0:
-            return True
+        """With --admit-wait-steps N > 0 and a batch decoding: whether the `fits` waiting requests that fit
+        join it now, i.e. they fill --admit-group of the batch (its peak since it was last empty: slots of
+        finished requests whose clients have not sent the next one yet count) or have waited N steps. A
+        join costs a prefill forward however few its rows."""
         group = max(1, int(max(self.batch_peak, len(self.running) + fits) * self.config.admit_group))
-        return fits >= group or self.deferred_steps >= wait
+        return fits >= group or self.deferred_steps >= self.config.admit_wait_steps
 
     def _admit(self) -> None:
         admitted = []
         with self.lock:
+            if not self.running:
+                self.batch_peak = 0
             fits = min(len(self.waiting), self.config.max_batch_size - len(self.running), self.slots.num_free)
-            if fits and not self._due(fits):
+            if fits and self.running and self.config.admit_wait_steps and not self._due(fits):
                 self.deferred_steps += 1
                 return
             self.deferred_steps = 0
-            while (
-                self.waiting
-                and len(self.running) + len(admitted) < self.config.max_batch_size
-                and self.slots.num_free > 0
-            ):
+            for _ in range(fits):
                 req = self.waiting.popleft()
                 req.slot = self.slots.alloc()
                 req.admitted = time.perf_counter()
