@@ -9,9 +9,11 @@ Reports (printed, and as JSON with --result-json): requests/s, output tokens/s, 
 (mean, p50, p90, p99 in ms), draft acceptance, and failed requests by gRPC status. With
 --check-greedy, every greedy request is run again with speculation off (k = 0) after the timed run
 and the token sequences must be equal (the lossless check; mismatches are counted and fail the exit
-code). Each mismatch (up to 20) is probed where it first diverges: the request decoded alone up to that
-token with top-2 logprobs says whether the two outputs took the target's two best candidates at a
-near-tie (`greedy_check.divergences`).
+code). Each mismatch is probed where it first diverges, for the target's top-2 logprobs there: whether
+the two outputs took the target's two best candidates at a near-tie (`greedy_check.divergences`,
+`near_ties`). A prompt of token ids is probed teacher-forced (the prompt and the outputs' common prefix,
+one token), which settles every mismatch; a text prompt is decoded alone up to the divergence (at most
+MAX_ALONE_PROBES of them), which may take another path before it.
 
 Needs only the client install (grpcio, protobuf).
 """
@@ -219,7 +221,8 @@ async def check_greedy(
     client: AsyncClient, prompts: list[Prompt], outcomes: list[Outcome], options: dict[str, Any], conc: int
 ) -> dict[str, Any]:
     """Runs each successful request again with k = 0: speculative output must equal plain decoding. Each
-    mismatch is then probed where it first diverges (`divergence`), at most MAX_PROBES of them."""
+    mismatch is then probed where it first diverges (`divergence`; those of text prompts, at most
+    MAX_ALONE_PROBES)."""
     plain_options = dict(options, num_speculative_tokens=0)
     limit = asyncio.Semaphore(conc)
     checked = [i for i, o in enumerate(outcomes) if o.ok]
@@ -230,32 +233,39 @@ async def check_greedy(
 
     refs = await asyncio.gather(*(plain(i) for i in checked))
     bad = [(i, ref) for i, ref in zip(checked, refs) if not ref.ok or ref.token_ids != outcomes[i].token_ids]
-    probes = [
-        await divergence(client, prompts[i], outcomes[i].token_ids, ref.token_ids, plain_options)
-        for i, ref in bad[:MAX_PROBES]
-        if ref.ok
-    ]
+    forced = [(i, ref) for i, ref in bad if ref.ok and isinstance(prompts[i].prompt, list)]
+    alone = [(i, ref) for i, ref in bad if ref.ok and not isinstance(prompts[i].prompt, list)]
+
+    async def probe(i: int, ref: Outcome) -> dict[str, Any]:
+        async with limit:
+            return await divergence(client, prompts[i], outcomes[i].token_ids, ref.token_ids, plain_options)
+
+    probes = await asyncio.gather(*(probe(i, ref) for i, ref in forced + alone[:MAX_ALONE_PROBES]))
     return {
         "checked": len(checked),
         "mismatches": len(bad),
         "mismatched_requests": [i for i, _ in bad][:20],
-        "divergences": probes,
+        "probed": len(probes),
+        "near_ties": sum(bool(d.get("near_tie")) for d in probes),
+        "divergences": list(probes),
     }
 
 
-# Mismatches probed per check, and the top-2 gap (nats) under which a divergence counts as a near-tie:
-# a bf16 logit of magnitude 16-32 has an ulp of 0.125, so two kernels that sum in another order can swap
-# candidates closer than about one ulp.
-MAX_PROBES, NEAR_TIE_NATS = 20, 0.1
+# Mismatches of text prompts probed per check (each decodes the request alone up to its divergence), and
+# the top-2 gap (nats) under which a divergence counts as a near-tie: a bf16 logit of magnitude 16-32 has
+# an ulp of 0.125, so two kernels that sum in another order can swap candidates closer than about one ulp.
+MAX_ALONE_PROBES, NEAR_TIE_NATS = 20, 0.1
 
 
 async def divergence(
     client: AsyncClient, p: Prompt, spec: list[int], ref: list[int], plain_options: dict[str, Any]
 ) -> dict[str, Any]:
     """Where a speculative output first differs from the plain one, and how close the target's top two
-    candidates were there: the request decoded alone (k = 0) up to that position with top-2 logprobs.
-    `near_tie`: the two outputs' tokens there are the target's top two and their log-probabilities are
-    within NEAR_TIE_NATS (a floating-point tie, not a verification error)."""
+    candidates were there, with k = 0 and top-2 logprobs: a prompt of token ids extended by the outputs'
+    common prefix, one token (`probe`: "forced"); a text prompt decoded alone up to that position
+    ("alone": it may take another path before it, and then settles nothing). `near_tie`: the two outputs'
+    tokens there are the target's top two and their log-probabilities are within NEAR_TIE_NATS (a
+    floating-point tie, not a verification error)."""
     at = next((j for j, (a, b) in enumerate(zip(spec, ref)) if a != b), min(len(spec), len(ref)))
     out: dict[str, Any] = {"position": at, "speculative": spec[at : at + 1], "plain": ref[at : at + 1]}
     if at >= min(len(spec), len(ref)):
@@ -264,8 +274,12 @@ async def divergence(
     lps: list[TokenLogprob] = []
     ids: list[int] = []
     options = dict(plain_options, logprobs=2)
+    forced = isinstance(p.prompt, list)
+    out["probe"] = "forced" if forced else "alone"
+    prompt, length = ([*p.prompt, *ref[:at]], 1) if forced else (p.prompt, at + 1)
+    skip = 0 if forced else at  # the probe's index of the divergence's token
     try:
-        async with client.stream(p.prompt, max_new_tokens=at + 1, **options) as stream:
+        async with client.stream(prompt, max_new_tokens=length, **options) as stream:
             async for delta in stream:
                 ids.extend(delta.token_ids)
                 lps.extend(delta.logprobs)
@@ -273,11 +287,11 @@ async def divergence(
         out["error"] = type(exc).__name__
         out["near_tie"] = False
         return out
-    if ids[:at] != ref[:at] or len(lps) <= at or len(lps[at].top) < 2:
+    if ids[:skip] != ref[:skip] or len(lps) <= skip or len(lps[skip].top) < 2:
         out["near_tie"] = False  # alone, the request took another path before the position
         out["alone"] = "diverged earlier"
         return out
-    (id1, lp1), (id2, lp2) = lps[at].top[:2]
+    (id1, lp1), (id2, lp2) = lps[skip].top[:2]
     out.update(top2=[id1, id2], gap_nats=lp1 - lp2)
     out["near_tie"] = {spec[at], ref[at]} == {id1, id2} and lp1 - lp2 <= NEAR_TIE_NATS
     return out
@@ -337,6 +351,9 @@ def format_report(r: dict[str, Any]) -> str:
     if "greedy_check" in r:
         g = r["greedy_check"]
         lines.append(f"{'Greedy == plain (k=0):':<34}{g['checked'] - g['mismatches']}/{g['checked']}")
+        if g["mismatches"]:
+            lines.append(f"{'  mismatches probed, near-ties:':<34}{g['probed']}, {g['near_ties']} "
+                         f"(top-2 gap <= {NEAR_TIE_NATS} nats)")  # fmt: skip
     return "\n".join(lines)
 
 
