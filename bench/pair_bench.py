@@ -14,7 +14,10 @@ All targets start at once on one device (`--configs`, each its own process):
             with --draft-address, adaptive; only at --remote-batches;
   remote-fixed  the same with the fixed policy (k = --k every step);
   plain-grouped, adaptive-grouped  plain and adaptive with requests joining the batch in groups
-            (--admit-wait-steps 8), not at once.
+            (--admit-wait-steps 8), not at once;
+  plain-invariant, adaptive-invariant, fixed-invariant  plain, adaptive and fixed with
+            --batch-invariant (every GEMM in one fixed-tile kernel: greedy output equals plain decoding at
+            any batch); their x plain is over plain-invariant where it ran, else over plain.
 Then --repeats interleaved rounds: per round, per batch (streams), every config in turn runs bench-serve
 over the held-out prompts (--prompts: chat or coding, common/training/prompts.py, never trained on) with
 --check-greedy. Each run's JSON and its metric deltas go to --out as they finish; past --deadline-s no
@@ -61,8 +64,22 @@ CONFIGS = (
     "remote-fixed",
     "plain-grouped",
     "adaptive-grouped",
+    "plain-invariant",
+    "adaptive-invariant",
+    "fixed-invariant",
 )
-GROUPED = "-grouped"  # the config before it, with --admit-wait-steps 8
+# A config name's suffix adds flags to the config before it.
+SUFFIX_FLAGS = {"-grouped": ["--admit-wait-steps", "8"], "-invariant": ["--batch-invariant"]}
+
+
+def base_config(name: str) -> tuple[str, list[str]]:
+    """(the config `name` modifies, the flags its suffix adds)."""
+    for suffix, flags in SUFFIX_FLAGS.items():
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), list(flags)
+    return name, []
+
+
 REMOTE = ("remote", "remote-fixed")
 PROMPT_KINDS = {"chat": "general", "coding": "coding"}
 TARGET_SERIES = {
@@ -156,8 +173,7 @@ def start_configs(args, draft: Path | None, never: Path | None, logs: Path) -> d
               "--num-speculative-tokens", str(args.k)]  # fmt: skip
     started: dict[str, tuple] = {}
     for name in args.configs:
-        base = name.removesuffix(GROUPED)
-        extra: list[str] = ["--admit-wait-steps", "8"] if base != name else []
+        base, extra = base_config(name)
         draft_port = None
         draft_proc = None
         model = {"adaptive": draft, "fixed": draft, "never": never, "classic": args.classic}.get(base)
@@ -174,7 +190,7 @@ def start_configs(args, draft: Path | None, never: Path | None, logs: Path) -> d
             )  # fmt: skip
             layers = json.loads((draft / "config.json").read_text())["feature_layers"]
             policy = "fixed" if name == "remote-fixed" else "adaptive"
-            extra = ["--draft-address", f"127.0.0.1:{draft_proc.port}", "--speculation-policy", policy,
+            extra += ["--draft-address", f"127.0.0.1:{draft_proc.port}", "--speculation-policy", policy,
                      "--draft-feature-layers", ",".join(map(str, layers))]  # fmt: skip
         trace = ["--step-trace", str(logs / f"{name}-steps.jsonl")]
         started[name] = (
@@ -220,7 +236,7 @@ def run(args) -> dict:
         args.classic = model_path(args.classic)
     draft = Path(args.draft) if args.draft else None
     drafted = ("adaptive", "fixed", "never", *REMOTE)
-    needs_draft = {n for n in args.configs if n.removesuffix(GROUPED) in drafted}
+    needs_draft = {n for n in args.configs if base_config(n)[0] in drafted}
     if needs_draft and (draft is None or not (draft / "config.json").exists()):
         raise SystemExit(
             f"--draft: {args.draft!r} is no draft directory (configs {sorted(needs_draft)} need one)"
@@ -293,7 +309,9 @@ def summarize(report: dict) -> list[dict]:
         drafted = accepted = mismatches = probed = ties = 0
         per_step = []
         for r in reps:
-            run, plain = runs[f"{key}-r{r}"], runs.get(f"plain-b{batch}-r{r}", {})
+            baseline = "plain-invariant" if name.endswith("-invariant") else "plain"
+            plain = runs.get(f"{baseline}-b{batch}-r{r}") or runs.get(f"plain-b{batch}-r{r}", {})
+            run = runs[f"{key}-r{r}"]
             tput.append(run.get("output_throughput", 0.0))
             if plain.get("output_throughput"):
                 x.append(run.get("output_throughput", 0.0) / plain["output_throughput"])

@@ -168,19 +168,25 @@ def warm_eager_shapes(model, cache, scratch_slot: int, forward=None) -> None:
     (prefills, a draft's catch-up), on the scratch slot. On every TP rank: the forwards hold collectives.
     forward(ids, positions, slots, ctx): the forward to warm when it is not model(..., cache, ctx)."""
     from common.batch import CTX_ROUND
-    from common.kernels.fused import EAGER_WARM_SHAPES, eager_shapes
+    from common.kernels.fused import ATTENTION_BLOCK_N, EAGER_WARM_SHAPES, eager_shapes, split_chunk
 
     device = cache.k[0].device
     if device.type != "cuda":
         return
+    # A --batch-invariant target's eager attention splits its keys as the graphs do, so its split count
+    # (a kernel constant) follows the context: each count is compiled here too.
+    chunk = split_chunk(cache.max_len, ATTENTION_BLOCK_N)
+    extra = range(chunk, cache.max_len, chunk) if getattr(model, "batch_invariant", False) else ()
     with eager_shapes():
         for batch, length in EAGER_WARM_SHAPES:
             ids = torch.zeros(batch, length, dtype=torch.int64, device=device)
             positions = torch.arange(length, device=device).repeat(batch, 1)
             slots = torch.full((batch,), scratch_slot, dtype=torch.int64, device=device)
-            ctx = min(cache.max_len, -(-length // CTX_ROUND) * CTX_ROUND)
-            if forward is None:
-                model(ids, positions, slots, cache, ctx)
-            else:
-                forward(ids, positions, slots, ctx)
+            first = min(cache.max_len, -(-length // CTX_ROUND) * CTX_ROUND)
+            for ctx in (first, *(c + CTX_ROUND for c in extra if c + CTX_ROUND > first)):
+                ctx = min(cache.max_len, ctx)
+                if forward is None:
+                    model(ids, positions, slots, cache, ctx)
+                else:
+                    forward(ids, positions, slots, ctx)
     torch.cuda.synchronize(device)

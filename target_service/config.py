@@ -48,6 +48,13 @@ class TargetConfig(ServiceConfig):
     admit_group: float = flag(
         0.125, "the share of the batch a group of joining requests fills (--admit-wait-steps)"
     )
+    batch_invariant: bool = flag(
+        False,
+        "every GEMM of the target in one fixed-tile kernel and its attention in one shape for every step "
+        "(common/kernels/invariant.py): a token's logits are the same bits in a plain step, a verify step "
+        "and a prefill at any batch, so bf16 greedy output with speculation equals plain decoding at any "
+        "batch; slower than the tuned kernels. Needs --tp-size 1 (the all-reduce's sums depend on its size)",
+    )
     max_stop_strings: int = flag(16, "stop strings per request")
     max_stop_string_length: int = flag(256, "characters per stop string")
     speculation_policy: str = flag(
@@ -122,6 +129,8 @@ class TargetConfig(ServiceConfig):
             raise ValueError("--stream-messages-per-step: must be >= 0 (0: no limit)")
         if self.draft_local and self.draft_address:
             raise ValueError("--draft-local: give either --draft-local or --draft-address, not both")
+        if self.batch_invariant and self.tp_size != 1:
+            raise ValueError("--batch-invariant: needs --tp-size 1")
         if self.draft_local and self.tp_size != 1:
             raise ValueError("--draft-local: needs --tp-size 1 (run a draft service beside a TP target)")
         if self.profile_dir:

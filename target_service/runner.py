@@ -179,6 +179,7 @@ class TargetRunner:
         self.config = config
         self.comm = comm
         self.device, self.model = load_service_model(config, comm)
+        self.model.batch_invariant = config.batch_invariant  # before any graph is captured
         mc = self.model.config
         self.max_context = min(config.max_context_length, mc.max_position_embeddings)
         # Padding of a verify row may run k+1 positions past the longest allowed sequence.
@@ -291,8 +292,11 @@ class TargetRunner:
                     self.graphs[batch, width, ctx] = self._capture(batch, width, ctx)
         torch.cuda.synchronize(self.device)
         if self.comm.rank == 0:
-            log.info("captured %d verify graphs in %.1fs (%s)", len(self.graphs), time.perf_counter() - t0,
-                     skinny.describe(next(self.model.parameters())))  # fmt: skip
+            kernels = skinny.describe(next(self.model.parameters()))
+            if self.model.batch_invariant:
+                kernels = "--batch-invariant: one fixed-tile GEMM for every row count, fixed attention shapes"
+            seconds = time.perf_counter() - t0
+            log.info("captured %d verify graphs in %.1fs (%s)", len(self.graphs), seconds, kernels)
         return len(self.graphs)
 
     @torch.inference_mode()

@@ -11,6 +11,7 @@ common/models/transformer.py) and tests/test_fused_kernels.py compares the two.
 
 from __future__ import annotations
 
+import contextvars
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +24,9 @@ from torch import Tensor
 # SPECSPLIT_FUSED_KERNELS=0 falls back to the torch references on the GPU too (for A/B comparisons).
 ENABLED = os.environ.get("SPECSPLIT_FUSED_KERNELS", "1") != "0"
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Set (per thread) while a --batch-invariant target runs its forward (common/kernels/invariant.py): its
+# GEMMs take the invariant kernel, its attention one query block and one key chunking for every shape.
+BATCH_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar("batch_invariant", default=False)
 # Split count for attention calls outside CUDA graphs (see `eager_shapes`); None: `split_chunk` keys each.
 _EAGER_SPLITS: list[int | None] = [None]
 
@@ -520,6 +524,7 @@ COMBINE_ROWS = 4
 # Keys per attention split: at least SPLIT_KEYS, and at most MAX_SPLITS splits over the whole cache (128
 # keys up to the services' default 4096-token context).
 SPLIT_KEYS, MAX_SPLITS = 128, 64
+ATTENTION_BLOCK_N = 64  # keys per block (128-key blocks: 0.02 ms slower per step at B = 1 and 16)
 
 
 def split_chunk(max_len: int, block_n: int) -> int:
@@ -612,10 +617,11 @@ def _attention(q, rotary, k_cache, v_cache, slots, positions, ctx_len, scale, nu
     bsz, seq, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
-    block_m = block_m or max(16, min(64, triton.next_power_of_2(group * seq)))
-    block_n = 64  # 128-key blocks: 0.02 ms slower per step at B = 1 and 16
+    invariant = BATCH_INVARIANT.get()  # one query block and the graphs' key chunks for every shape
+    block_m = block_m or (64 if invariant else max(16, min(64, triton.next_power_of_2(group * seq))))
+    block_n = ATTENTION_BLOCK_N
     m_blocks = triton.cdiv(group * seq, block_m)
-    forced = num_splits or _EAGER_SPLITS[0]
+    forced = num_splits or (None if invariant else _EAGER_SPLITS[0])
     if forced:  # a given count (tests, eager forwards): even chunks
         chunk = triton.cdiv(triton.cdiv(ctx_len, forced), block_n) * block_n
     else:
@@ -673,6 +679,8 @@ def attention_reference(
     nkv = k_cache.shape[2]
     group = heads // nkv
     assert (prefix_slots is None) == (prefix_len is None), "prefix_slots and prefix_len: both or neither"
+    if BATCH_INVARIANT.get() and prefix_slots is None:
+        return attention_per_query_reference(q, k_cache, v_cache, slots, positions, scale)
     keys = k_cache[:, :ctx_len][slots]  # [B, ctx, nkv, hd]
     values = v_cache[:, :ctx_len][slots]
     key_pos = torch.arange(ctx_len, device=q.device)
@@ -689,6 +697,25 @@ def attention_reference(
     probs = scores.softmax(-1).to(values.dtype).view(bsz, nkv, group * seq, ctx_len)
     out = torch.matmul(probs, values.permute(0, 2, 1, 3))  # [B, nkv, group * seq, hd]
     return out.view(bsz, nkv, group, seq, head_dim).permute(0, 3, 1, 2, 4).reshape(bsz, seq, heads, head_dim)
+
+
+def attention_per_query_reference(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, positions: Tensor, scale: float
+) -> Tensor:
+    """`attention_reference` one query at a time over exactly its live keys (positions 0..p of its slot):
+    the same ops on the same shapes for a token at position p in any step, so its bits do not depend on the
+    batch, the width or the context bucket (the CPU path of --batch-invariant). q [B, L, H, D]."""
+    heads, head_dim = q.shape[2:]
+    nkv = k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b, (slot, row) in enumerate(zip(slots.tolist(), positions.tolist())):
+        for i, p in enumerate(row):
+            keys, values = k_cache[slot, : p + 1].transpose(0, 1), v_cache[slot, : p + 1].transpose(0, 1)
+            query = q[b, i].view(nkv, heads // nkv, head_dim)  # [nkv, group, D]
+            scores = torch.matmul(query, keys.transpose(1, 2)).float() * scale  # [nkv, group, p + 1]
+            probs = scores.softmax(-1).to(values.dtype)
+            out[b, i] = torch.matmul(probs, values).reshape(heads, head_dim)
+    return out
 
 
 def rotary_attention_reference(

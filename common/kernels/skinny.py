@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from common.kernels import fused, onednn
+from common.kernels import fused, invariant, onednn
 
 # SPECSPLIT_SKINNY_LINEAR=0 keeps cuBLAS for every GEMM (A/B comparisons).
 ENABLED = os.environ.get("SPECSPLIT_SKINNY_LINEAR", "1") != "0"
@@ -348,7 +348,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, glu: bool = Fa
     the model calls it). Which kernel serves a call depends only on its row count and the weight.
 
     glu: weight [2N, K] = [gate; up] and the result silu(gate's) * up's [..., N] (the MLP's gate_up):
-    one stream_linear where `glu_streams`, else the GEMM and then `fused.silu_and_mul`."""
+    one stream_linear where `glu_streams`, else the GEMM and then `fused.silu_and_mul`. Inside
+    `invariant.batch_invariant()`: the batch-invariant GEMM for every row count."""
+    if invariant.active():
+        out = invariant.linear(x, weight, bias)
+        if not glu:
+            return out
+        return fused.silu_and_mul(out) if fused.on_gpu(x) else fused.silu_and_mul_reference(out)
     kernels = fused.on_gpu(x) and (fused.pdl(x) or not REQUIRE_PDL)
     rows = x.numel() // x.shape[-1]
     if glu:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.distributed import Comm
-from common.kernels import onednn
+from common.kernels import invariant, onednn
 from common.layers.shard import set_shard
 
 VOCAB_PADDING = 64
@@ -70,6 +70,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def local_logits(self, hidden: Tensor) -> Tensor:
         """Raw [N, shard_size] logits of this rank's vocab slice (a tied embedding serves as the LM head)."""
+        if invariant.active():
+            return invariant.linear(hidden, self.weight)
         out = onednn.linear(hidden, self.weight)  # the CPU, a head packed at load; None elsewhere
         return F.linear(hidden, self.weight) if out is None else out
 

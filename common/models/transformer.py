@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from common.config import ModelConfig
 from common.distributed import Comm
 from common.features import FeatureStore
-from common.kernels import fused
+from common.kernels import fused, invariant
 from common.kv_cache import KVCache
 from common.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from common.layers.logits import LogitsProcessor, top2_tokens, top_tokens
@@ -177,6 +177,9 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device=device)
         # Set on a target that serves a feature draft: every forward writes its features there.
         self.feature_store: FeatureStore | None = None
+        # A target served with --batch-invariant: its forwards and logits run the batch-invariant kernels
+        # (common/kernels/invariant.py), so a token's logits do not depend on the step that computes them.
+        self.batch_invariant = False
 
     def forward(
         self,
@@ -221,12 +224,14 @@ class Transformer(nn.Module):
         rope = self.rotary.table(cache.max_len)  # every position the cache holds
         x, residual = self.model.embed_tokens(input_ids), None
         streams = []
-        for i, layer in enumerate(self.model.layers):
-            if i in layers and write is not None:
-                write(layers.index(i), x, residual)
-            elif i in layers:
-                streams.append(x if residual is None else x + residual)
-            x, residual = layer(x, residual, rope, slots, positions, cache.k[i], cache.v[i], ctx_len, prefix)
+        with invariant.batch_invariant(self.batch_invariant):
+            for i, layer in enumerate(self.model.layers):
+                if i in layers and write is not None:
+                    write(layers.index(i), x, residual)
+                elif i in layers:
+                    streams.append(x if residual is None else x + residual)
+                kv = cache.k[i], cache.v[i]
+                x, residual = layer(x, residual, rope, slots, positions, *kv, ctx_len, prefix)
         return self.model.norm(x, residual)[0], streams
 
     def compute_logits(
@@ -237,7 +242,8 @@ class Transformer(nn.Module):
         upcast=False: in the model's dtype where that is exact (`LogitsProcessor.__call__`), for
         consumers that read any float dtype as fp32 (the rejection kernels, logprobs)."""
         with_bias = self.markov_head is not None and prev_token_ids is not None
-        logits = self.logits_processor(self.lm_head, hidden, upcast=upcast or with_bias)
+        with invariant.batch_invariant(self.batch_invariant):
+            logits = self.logits_processor(self.lm_head, hidden, upcast=upcast or with_bias)
         if with_bias:
             logits = logits + self.markov_head.bias(prev_token_ids)
         return logits
