@@ -61,6 +61,21 @@ def test_a_row_gets_the_same_bits_in_any_batch(path, dtype):
     torch.testing.assert_close(alone.float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 1.5B target's GEMM shapes on the GPU")
+@pytest.mark.parametrize("k, n", [(1536, 2048), (1536, 17920), (8960, 1536), (1536, 151936)])
+def test_the_kernel_is_row_invariant_at_the_1_5b_shapes(k, n):
+    """qkv, gate_up, down and the LM head of Qwen2.5-1.5B in bf16: rows 1..320 (a plain step at 1-64
+    streams, a k = 4 verify at 64) give every row the bits it has alone."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(320, k, generator=g).to(torch.bfloat16).cuda()
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16).cuda()
+    alone = torch.cat([invariant.invariant_linear(x[i : i + 1], w) for i in range(0, 320, 7)])
+    for m in (1, 5, 16, 64, 80, 320):
+        out = invariant.invariant_linear(x[:m], w)
+        assert torch.equal(out[::7], alone[: len(out[::7])]), m
+    torch.testing.assert_close(alone.float(), F.linear(x[::7], w).float(), rtol=2e-2, atol=2e-2)
+
+
 def test_the_power_of_the_row_check():
     """The check above fails a GEMM whose sum depends on the row count: the CPU's own fp32 F.linear (a GEMV
     for one row, a blocked GEMM for 80) on the same shapes."""
