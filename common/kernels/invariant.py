@@ -30,10 +30,23 @@ from torch import Tensor
 
 from common.kernels import fused
 
-# One tile for every call (a row's bits depend on the tile's K slices and, through the MMA instruction
-# chosen, on its shape): 64 rows (Hopper's wgmma row block), 64 features, 64-wide K slices.
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+# One tile per weight for every row count (a row's bits depend on the tile's K slices and, through the MMA
+# instruction chosen, on its shape): 64 rows (Hopper's wgmma row block), 64-wide K slices, and BLOCK_N
+# features chosen from the weight's N alone (`block_n`).
+BLOCK_M, BLOCK_K = 64, 64
 NUM_WARPS, NUM_STAGES = 4, 3
+# A few-row step is bound by the weight read, and with no split of K only N / BLOCK_N programs read it:
+# narrower tiles for narrow weights keep at least ~96 programs streaming (the 1.5B's o_proj and down
+# projection, N = 1536: 96 programs of 16 features, against 24 of 64).
+MIN_PROGRAMS = 96
+
+
+def block_n(n: int) -> int:
+    """Output features per program for a weight of n output features (never the row count)."""
+    for width in (64, 32):
+        if triton.cdiv(n, width) >= MIN_PROGRAMS:
+            return width
+    return 16
 
 
 @contextmanager
@@ -98,10 +111,11 @@ def invariant_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> T
     rows = x2.shape[0]
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows:
-        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
+        bn = block_n(n)
+        grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(n, bn))
         _invariant_linear_kernel[grid](
             x2, weight.contiguous(), bias if bias is not None else weight, out, rows, n, k, x2.stride(0),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, HAS_BIAS=bias is not None,
+            BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=BLOCK_K, HAS_BIAS=bias is not None,
             DOT_FP32=fused.INTERPRETED or x.dtype == torch.float32,  # fp32: ieee, not tf32
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )  # fmt: skip
