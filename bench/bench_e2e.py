@@ -564,21 +564,24 @@ def main() -> int:
                                 run_batch(t, stack.draft, prompts[:batch], args.new_tokens, 0)
                             )
                 row = summarise(dtype, batch, args.k, runs)
-                reference = runs["plain"][0]["ids"] if "plain" in runs else None
-                if reference is not None:
-                    for mode, rs in runs.items():
-                        probed: set = set()  # (row, spec output): a divergence repeated by the repeats
-                        for r in rs:
-                            same = sum(a == b for a, b in zip(r["ids"], reference))
-                            row[mode].setdefault("identical_sequences", []).append(f"{same}/{batch}")
-                            for i, (a, b) in enumerate(zip(r["ids"], reference)):
-                                # The first --probe-divergences distinct ones of each (batch, mode): the
-                                # B=64 ones were never probed while the first 8 of the run all came from B=1.
-                                key = (i, tuple(a))
-                                if a != b and len(probed) < args.probe_divergences and key not in probed:
-                                    probed.add(key)
-                                    mismatches.append((dtype, prompts[i], a, b, dict(batch=batch, mode=mode,
-                                                                                    request=i)))  # fmt: skip
+                for mode, rs in runs.items():
+                    # Each target against the plain target with the same flags: a +v twin against plain+v.
+                    plain = "plain+v" if mode.endswith("+v") and "plain+v" in runs else "plain"
+                    if plain not in runs:
+                        continue
+                    reference = runs[plain][0]["ids"]
+                    probed: set = set()  # (row, spec output): a divergence repeated by the repeats
+                    for r in rs:
+                        same = sum(a == b for a, b in zip(r["ids"], reference))
+                        row[mode].setdefault("identical_sequences", []).append(f"{same}/{batch}")
+                        for i, (a, b) in enumerate(zip(r["ids"], reference)):
+                            # The first --probe-divergences distinct ones of each (batch, mode): the
+                            # B=64 ones were never probed while the first 8 of the run all came from B=1.
+                            key = (i, tuple(a))
+                            if a != b and len(probed) < args.probe_divergences and key not in probed:
+                                probed.add(key)
+                                mismatches.append((dtype, prompts[i], a, b, dict(batch=batch, mode=mode,
+                                                                                request=i)))  # fmt: skip
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         finally:
