@@ -7,7 +7,9 @@ Each figure is one call's GPU time inside a CUDA graph that calls the GEMM 28 ti
 (as the 28 layers do, so no weight is read from L2), over 50 replays, median of 3. Variants:
   - linear: F.linear(x, W, b) as the model calls it (W [N, K], the nn.Linear layout);
   - linear_lt: the same with torch.backends.cuda.preferred_blas_library("cublaslt");
-  - mm_t: x @ Wt with Wt = W.T stored contiguous ([K, N]), bias via addmm.
+  - mm_t: x @ Wt with Wt = W.T stored contiguous ([K, N]), bias via addmm;
+  - invariant: common/kernels/invariant.py's fixed-tile GEMM (--batch-invariant), with its time over the
+    best cuBLAS variant's (`invariant_x_best`): what a row's independence of the batch costs.
 The variant that wins per (shape, rows) shows which layout / library the model should use.
 """
 
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cuda_graphs import capture
+from common.kernels.invariant import invariant_linear
 
 SHAPES = {  # name: (N, K, bias) of Qwen2.5-1.5B at TP=1
     "qkv": (2048, 1536, True),
@@ -67,6 +70,16 @@ def layer_calls(x, weights, bias, transposed: bool = False):
     return run
 
 
+def invariant_calls(x, weights, bias):
+    """One batch-invariant GEMM per layer's weight."""
+
+    def run():
+        for w in weights:
+            invariant_linear(x, w, bias)
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 5, 16, 80, 320], help="rows per GEMM call")
@@ -95,6 +108,9 @@ def main() -> None:
             torch.backends.cuda.preferred_blas_library("cublas")
             best = min(("linear", "linear_lt", "mm_t", "mm_t_lt"), key=lambda v: row[v])
             row["best"] = best
+            us = 1e3 * time_graph(invariant_calls(x, ws, b)) / LAYERS
+            row["invariant"] = round(us, 3)
+            row["invariant_x_best"] = round(us / row[best], 2)
             results.append(row)
             print(json.dumps(row), flush=True)
         del ws, wts
