@@ -25,7 +25,7 @@ from common.kv_cache import KVCache
 from common.loader import load_model, load_tokenizer
 from common.models.feature_draft import FeatureDraft
 from common.training import prompts as builtin_prompts
-from common.training.feature_train import unrolled_hidden
+from common.training.feature_train import target_features, unrolled_hidden
 from common.training.train_draft import main as train_draft_main
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
 from tests.service_util import (
@@ -95,6 +95,26 @@ def test_training_time_test_computes_the_served_chain(architecture: str) -> None
                 hidden, aux = model(ids[:, p : p + 1], torch.tensor([[p]]), slot, cache, 64, aux[:, None])
                 torch.testing.assert_close(hidden[0, 0], unrolled[j][0, p], rtol=0, atol=2e-6)
                 aux = aux[:, 0]
+
+
+def test_training_features_equal_what_the_served_target_hands_its_draft(tmp_path) -> None:
+    """target_features (training: the layers past the last captured one skipped) gives at each position
+    exactly the row the serving target's forward writes into its FeatureStore for the position before
+    (fp32, every position of two sequences)."""
+    target = load_model(make_tiny_model(tmp_path / "t", num_layers=4, seed=3), Comm())
+    layers = (0, 2)
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(0))
+    trained = target_features(target, ids, layers)
+
+    cache = KVCache.for_model(target, 2, 9)  # the training forward's context: the same sums, same bits
+    target.feature_store = FeatureStore(layers, target.config.hidden_size, 2, 9, torch.float32, "cpu")
+    slots, positions = torch.arange(2), torch.arange(9).expand(2, 9)
+    with torch.no_grad():
+        target(ids, positions, slots, cache, 9)
+    served = target.feature_store.previous(slots, positions)
+    assert trained.shape == served.shape == (2, 9, 2 * target.config.hidden_size)
+    assert torch.equal(trained, served)
+    assert served[:, 1:].abs().sum() > 0  # the streams themselves, not zeros on both sides
 
 
 def test_features_round_trip_the_wire_and_store() -> None:

@@ -217,21 +217,29 @@ class Transformer(nn.Module):
         layers: tuple[int, ...] = (),
         prefix: tuple[Tensor, Tensor] | None = None,
         write: Callable[[int, Tensor, Tensor | None], None] | None = None,
-    ) -> tuple[Tensor, list[Tensor]]:
+        streams_only: bool = False,
+    ) -> tuple[Tensor | None, list[Tensor]]:
         """`forward`, and the residual streams entering each of `layers` ([B, L, hidden] each): the
         features a feature draft reads (common/features.py). With `write`, write(j, x, residual) gets
-        the j-th of them as its two terms instead (a FeatureStore's), and the list stays empty."""
+        the j-th of them as its two terms instead (a FeatureStore's), and the list stays empty.
+        `streams_only`: stop once the last of `layers` is reached and return (None, streams); the layers
+        past it and their KV are skipped (training reads features only)."""
         rope = self.rotary.table(cache.max_len)  # every position the cache holds
         x, residual = self.model.embed_tokens(input_ids), None
         streams = []
+        run = self.model.layers[: max(layers) + 1] if streams_only else self.model.layers
         with invariant.batch_invariant(self.batch_invariant):
-            for i, layer in enumerate(self.model.layers):
+            for i, layer in enumerate(run):
                 if i in layers and write is not None:
                     write(layers.index(i), x, residual)
                 elif i in layers:
                     streams.append(x if residual is None else x + residual)
+                if streams_only and i == len(run) - 1:
+                    break  # the last stream is taken as its layer is entered
                 kv = cache.k[i], cache.v[i]
                 x, residual = layer(x, residual, rope, slots, positions, *kv, ctx_len, prefix)
+        if streams_only:
+            return None, streams
         return self.model.norm(x, residual)[0], streams
 
     def compute_logits(

@@ -221,7 +221,7 @@ def target_features(target: Transformer, ids: Tensor, layers: tuple[int, ...]) -
     cache = KVCache.for_model(target, bsz, width)
     positions = torch.arange(width, device=ids.device).expand(bsz, width)
     _, streams = target.forward_streams(
-        ids, positions, torch.arange(bsz, device=ids.device), cache, width, layers
+        ids, positions, torch.arange(bsz, device=ids.device), cache, width, layers, streams_only=True
     )
     feats = torch.cat(streams, dim=-1).float()
     return torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)
