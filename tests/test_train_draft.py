@@ -322,3 +322,42 @@ def test_bad_data_shard_is_refused_naming_the_flag(text: str, capsys) -> None:
     with pytest.raises(SystemExit):
         train_draft_main(["--target", "nowhere", "--out", "nowhere", "--data-shard", text])
     assert "--data-shard" in capsys.readouterr().err
+
+
+def test_generated_data_is_each_prompt_decoded_alone(tmp_path: Path) -> None:
+    """generate_batch (one batch of prompts of different lengths, decoded together on the device) records
+    per prompt what the target gives it alone: its greedy answer to the first EOS (greedy_generate, tested
+    against transformers), and at every position the top-K of a teacher-forced forward of the prompt and
+    the answer (ids equal, probabilities to fp32 rounding). One row's EOS ends it early."""
+    from common.models.generate import greedy_generate
+    from common.training.data import generate_batch
+
+    target = load_model(make_tiny_model(tmp_path / "t", num_layers=2, seed=5), Comm())
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (3, 9, 5)]
+    alone = [greedy_generate(target, [p], 24)[0] for p in prompts]
+    eos = {alone[1][10]}  # the second answer ends at its 11th token; the others may end there too
+    data = generate_batch(target, prompts, 0.0, 24, 4, eos, torch.Generator())
+    assert data.num_seqs == 3
+    ended = 0
+    for b, prompt in enumerate(prompts):
+        answer = alone[b][: next((i + 1 for i, t in enumerate(alone[b]) if t in eos), len(alone[b]))]
+        ended += len(answer) < 24
+        tokens = data.tokens[data.row(b)]
+        assert tokens.tolist() == prompt + answer[:-1]  # the last answer token has no next one recorded
+        with torch.no_grad():
+            probs = torch.softmax(target.compute_logits(teacher_forced(target, prompt + answer)), -1)
+        want_probs, want_ids = probs[: len(tokens)].topk(4, dim=-1)
+        assert torch.equal(data.topk_ids[data.row(b)], want_ids)
+        torch.testing.assert_close(data.topk_probs[data.row(b)], want_probs, rtol=1e-4, atol=1e-6)
+        assert data.trained[data.row(b)].tolist() == [i >= len(prompt) - 1 for i in range(len(tokens))]
+    assert ended >= 1
+
+
+def teacher_forced(target, ids: list[int]) -> torch.Tensor:
+    """[len(ids), H] hidden states of `ids` in one forward of a fresh cache."""
+    from common.kv_cache import KVCache
+
+    cache = KVCache.for_model(target, 1, len(ids))
+    positions = torch.arange(len(ids))[None]
+    return target(torch.tensor([ids]), positions, torch.zeros(1, dtype=torch.int64), cache, len(ids))[0]

@@ -103,37 +103,53 @@ def sample_answers(
     eos_token_ids: set[int],
     gen: torch.Generator,
     top_k: int = 0,
-) -> tuple[list[list[int]], list, list[list]]:
+) -> tuple[list[list[int]], list, list]:
     """The target's answers to `prompts` (one batch; each ends at its first EOS, kept), and with
-    top_k > 0 its top-K at every prompt position and at every answer position but the last (else [])."""
-    cache = KVCache.for_model(target, len(prompts), max(map(len, prompts)) + max_new_tokens)
-    slots = list(range(len(prompts)))
-    hidden = forward_rows(target, cache, slots, [0] * len(prompts), prompts)
+    top_k > 0 its top-K at every prompt position, and at every answer position but the last as one
+    (ids [n, K], probs [n, K]) pair per answer (else [] and []).
+    The decode loop stays on the device: a step's tokens and top-K are kept there and read back once at the
+    end; a finished row keeps decoding (its outputs are dropped), so the batch's shape never changes."""
+    n = len(prompts)
+    cache = KVCache.for_model(target, n, max(map(len, prompts)) + max_new_tokens)
+    hidden = forward_rows(target, cache, list(range(n)), [0] * n, prompts)
     lengths = [len(p) for p in prompts]
     # Prompt positions: their top-K is kept (cheap) but they are not trained on.
     prompt_topk = []
     if top_k:
-        prompt_topk = [_topk(target.compute_logits(hidden[b, : lengths[b]]), top_k) for b in slots]
-    last = target.compute_logits(hidden[torch.arange(len(prompts)), torch.tensor(lengths) - 1])
-    answers: list[list[int]] = [[] for _ in prompts]
-    answer_topk: list[list[tuple[Tensor, Tensor]]] = [[] for _ in prompts]
-    live = [True] * len(prompts)
-    logits = last
+        prompt_topk = [_topk(target.compute_logits(hidden[b, : lengths[b]]), top_k) for b in range(n)]
+    device = hidden.device
+    starts = torch.tensor(lengths, dtype=torch.int64, device=device)
+    slots = torch.arange(n, device=device)
+    eos = torch.tensor(sorted(eos_token_ids), dtype=torch.int64, device=device)
+    logits = target.compute_logits(hidden[slots, starts - 1])
+    live = torch.ones(n, dtype=torch.bool, device=device)
+    tokens, tops = [], []  # per step: [B] ids; ([B, K] ids, [B, K] probs) of the next token's distribution
     for step in range(max_new_tokens):
-        ids = target.map_to_target(_sample(logits, temperature, gen)).tolist()
-        for b, tok in enumerate(ids):
-            if live[b]:
-                answers[b].append(tok)
-                live[b] = tok not in eos_token_ids
-        if not any(live) or step + 1 == max_new_tokens:
+        ids = target.map_to_target(_sample(logits, temperature, gen))
+        tokens.append(ids)
+        live &= ~torch.isin(ids, eos)
+        if step + 1 == max_new_tokens or not bool(live.any()):
             break
-        hidden = forward_rows(target, cache, slots, [n + step for n in lengths], [[a[-1]] for a in answers])
+        positions = (starts + step)[:, None]
+        hidden = target(ids[:, None], positions, slots, cache, max(lengths) + step + 1)
         logits = target.compute_logits(hidden[:, 0])
         if top_k:
-            top = _topk(logits, top_k)
-            for b in slots:
-                if live[b]:
-                    answer_topk[b].append((top[0][b], top[1][b]))
+            top_probs, top_ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
+            tops.append((top_ids, top_probs))
+    decoded = torch.stack(tokens, 1).cpu()  # [B, steps]
+    ended = torch.isin(decoded, eos.cpu())
+    # each answer runs to its first EOS (kept), or through every step
+    ends = torch.where(ended.any(1), ended.int().argmax(1) + 1, decoded.shape[1]).tolist()
+    answers = [decoded[b, : ends[b]].tolist() for b in range(n)]
+    answer_topk = []
+    if top_k:
+        if tops:
+            top_ids = torch.stack([t[0] for t in tops], 1).cpu()  # [B, steps - 1, K]
+            top_probs = torch.stack([t[1] for t in tops], 1).cpu()
+        else:
+            top_ids = torch.zeros(n, 0, top_k, dtype=torch.int64)
+            top_probs = torch.zeros(n, 0, top_k)
+        answer_topk = [(top_ids[b, : ends[b] - 1], top_probs[b, : ends[b] - 1]) for b in range(n)]
     return answers, prompt_topk, answer_topk
 
 
@@ -157,10 +173,10 @@ def _pack(prompts, answers, prompt_topk, answer_topk) -> Sequences:
     """Position p of a sequence holds token p and the target's distribution of token p + 1. The last
     answer token has no next token recorded, so the sequence ends one short of its full text."""
     parts = []
-    for prompt, answer, (p_ids, p_probs), a_top in zip(prompts, answers, prompt_topk, answer_topk):
+    for prompt, answer, (p_ids, p_probs), (a_ids, a_probs) in zip(prompts, answers, prompt_topk, answer_topk):
         tokens = prompt + answer[:-1] if len(answer) > 1 else list(prompt)
-        ids = torch.cat([p_ids] + [t[0][None] for t in a_top[: len(tokens) - len(prompt)]])
-        probs = torch.cat([p_probs] + [t[1][None] for t in a_top[: len(tokens) - len(prompt)]])
+        ids = torch.cat([p_ids, a_ids[: len(tokens) - len(prompt)]])
+        probs = torch.cat([p_probs, a_probs[: len(tokens) - len(prompt)]])
         trained = torch.zeros(len(tokens), dtype=torch.bool)
         trained[len(prompt) - 1 :] = True  # the last prompt position predicts the first answer token
         parts.append(
