@@ -8,7 +8,8 @@ waits for that answer (bounded by --draft-timeout) just before the verify forwar
 admitted after the ask get an ask of their own, so they are drafted for from their first step.
 
 A step that wants no proposals sends nothing and waits for nothing: verdicts stay pending (the next ask
-sends everything the draft has not seen), releases go out without waiting for an answer.
+sends everything the draft has not seen), and so do releases until RELEASE_BATCH of them wait or the
+batch empties; then they go out without waiting for an answer.
 
 Branches: after answering, a greedy draft drafts the next proposal for each likely outcome of verifying
 the one it sent, and sends them as candidates keyed by the tokens the verdict will append. When every
@@ -37,6 +38,12 @@ from target_service.draft_link import ChainedRound, DraftLink
 from target_service.request import Request
 
 log = logging.getLogger("specsplit.target")
+# Releases a step that asks for nothing keeps back until this many wait (an ask, or an empty batch, sends
+# them at once). Each message costs the draft's thread a turn of the GIL inside the step: at 64 streams,
+# where requests end every few steps, sending each alone made a resting draft's plain steps slower than a
+# target's without a draft. The draft applies a message's releases before its starts, so slots held
+# meanwhile never keep a new request out.
+RELEASE_BATCH = 64
 
 
 @dataclass
@@ -259,11 +266,12 @@ class DraftSession:
 
     def ask(self, batch: list[Request], k: int, max_context: int, warm: bool = False) -> None:
         """Ask for min(k, r.k) tokens for every request of `batch` that can take them; no waiting.
-        k = 0 with nothing to release sends nothing. `warm` (new requests, before their first step):
-        with a feature draft in this process that chains its rounds, greedy new requests are only
-        started, held back with the draft's catch-up over their prompts until the verify is launched;
-        they verify no drafts in their first step and the round chained to it drafts for them, where an
-        ask now would make the step wait for a round of their own before its verify."""
+        k = 0 sends nothing but releases, once RELEASE_BATCH wait or `batch` is empty. `warm` (new
+        requests, before their first step): with a feature draft in this process that chains its rounds,
+        greedy new requests are only started, held back with the draft's catch-up over their prompts
+        until the verify is launched; they verify no drafts in their first step and the round chained to
+        it drafts for them, where an ask now would make the step wait for a round of their own before its
+        verify."""
         link = self.link
         self.decided.update(r.draft.draft_id for r in batch)
         if link is None:
@@ -289,8 +297,8 @@ class DraftSession:
                 want.append(r)
                 ks[r.draft.draft_id] = n
         if not want:
-            if self.releases:  # bookkeeping only: sent without waiting (its answer is dropped)
-                link.send(self._message([], {}), self.epoch)
+            if self.releases and (len(self.releases) >= RELEASE_BATCH or not batch):
+                link.send(self._message([], {}), self.epoch)  # bookkeeping only: its answer is dropped
             return
         if warm and self._warms(link, want):
             sent = link.send(self._message(want, {}), self.epoch, hold=True)

@@ -106,3 +106,48 @@ def test_a_used_candidate_is_always_the_one_keyed_by_the_committed_tokens(commit
         assert got is not None and got[1].tokens == expected
     else:
         assert got is None
+
+
+class RecordingLink(SimpleNamespace):
+    """A connected draft link that keeps the messages it is handed."""
+
+    def __init__(self):
+        super().__init__(target_vocab_size=VOCAB, connected=True, epoch=0, sent=[])
+
+    def send(self, msg, epoch, hold=False):
+        self.sent.append(msg)
+        return True
+
+
+def test_steps_that_ask_for_nothing_hold_releases_until_many_wait_or_the_batch_empties():
+    """A plain step (k = 0) sends no message for one finished request's release: the releases go out
+    together once RELEASE_BATCH wait, with the next ask that wants proposals, or when the batch is empty,
+    and the draft applies them before that message's starts (draft_service/stream.py)."""
+    from target_service.draft_session import RELEASE_BATCH
+
+    link = RecordingLink()
+    s = DraftSession(link, ServiceMetrics("target", "t", registry=CollectorRegistry()), timeout=1.0)
+
+    def running(rid: int):
+        draft = SimpleNamespace(draft_id=rid, synced=3, last_accepted=0)
+        return SimpleNamespace(draft=draft, tokens=[1, 2, 3], pinned_k=0, k=4)
+
+    live = [running(1000)]
+    for rid in range(RELEASE_BATCH - 1):
+        s.release(running(rid))
+        s.ask(live, 0, 1 << 20)
+    assert link.sent == [] and len(s.releases) == RELEASE_BATCH - 1
+    s.release(running(RELEASE_BATCH - 1))
+    s.ask(live, 0, 1 << 20)
+    assert [list(m.releases) for m in link.sent] == [list(range(RELEASE_BATCH))] and not s.releases
+
+    s.release(running(500))
+    s.ask(live, 0, 1 << 20)
+    assert len(link.sent) == 1
+    live[0].tokens = [1, 2, 3, 4]
+    s.ask(live, 4, 1 << 20)  # speculation resumes: the held release rides with the ask
+    assert list(link.sent[-1].releases) == [500] and list(link.sent[-1].propose) == [1000]
+
+    s.release(running(501))
+    s.ask([], 0, 1 << 20)  # nothing running: the draft's state is freed now
+    assert list(link.sent[-1].releases) == [501] and not s.releases
