@@ -25,16 +25,25 @@ def speculative_share(alpha: float, per_position: float, tokens: int = 400) -> t
     return sum(w > 1 for w in runner.widths), len(runner.widths)
 
 
+def median_share(alpha: float, per_position: float, runs: int = 3) -> float:
+    """The median over `runs` independent requests of the share of speculative steps: one window that a
+    stall on the busy test machine rates wrong holds the gate 16 windows (256 steps) in the worse mode,
+    most of one 400-token request, so a single run measures the machine as much as the policy."""
+    shares = []
+    for _ in range(runs):
+        speculative, steps = speculative_share(alpha, per_position)
+        shares.append(speculative / steps)
+    return sorted(shares)[runs // 2]
+
+
 def test_adaptive_stops_speculating_where_it_loses():
     # alpha 0.36: a width-5 step yields 1.55 tokens for 3.03 ms + a 3.1 ms wait; a plain step 1 per 2.63 ms.
-    speculative, steps = speculative_share(alpha=0.36, per_position=PER_POSITION)
-    assert speculative <= 0.1 * steps, (speculative, steps)
+    assert median_share(alpha=0.36, per_position=PER_POSITION) <= 0.1
 
 
 def test_adaptive_keeps_speculating_where_it_wins():
     # alpha 0.9 and nearly free extra positions: k = 4 yields 4.1 tokens per 6.2 ms against 2.63 ms each.
-    speculative, steps = speculative_share(alpha=0.9, per_position=0.01e-3)
-    assert speculative >= 0.8 * steps, (speculative, steps)
+    assert median_share(alpha=0.9, per_position=0.01e-3) >= 0.8
 
 
 # A draft too slow for speculation to pay, at sleeps far above scheduling noise on 2 busy cores: a 20 ms
