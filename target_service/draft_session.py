@@ -39,10 +39,9 @@ from target_service.request import Request
 
 log = logging.getLogger("specsplit.target")
 # Releases a step that asks for nothing keeps back until this many wait (an ask, or an empty batch, sends
-# them at once). Each message costs the draft's thread a turn of the GIL inside the step: at 64 streams,
-# where requests end every few steps, sending each alone made a resting draft's plain steps slower than a
-# target's without a draft. The draft applies a message's releases before its starts, so slots held
-# meanwhile never keep a new request out.
+# them at once): each message hands the draft's thread the GIL inside the step, and at 64 streams requests
+# end every few steps. The draft applies a message's releases before its starts, so slots held meanwhile
+# never keep a new request out.
 RELEASE_BATCH = 64
 
 

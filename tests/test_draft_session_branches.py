@@ -1,7 +1,8 @@
 """The target's use of the draft's branches (DraftSession): a step goes on without the draft's answer
 when every asked request's committed sequence matches a candidate, or when at least half do and going on
 yields more tokens per second than waiting for the rest of the round trip; never leaves a seeded sampled
-request out; and only a candidate keyed by exactly the tokens committed since its base is used."""
+request out; and only a candidate keyed by exactly the tokens committed since its base is used. Also
+what a plain step sends: the releases it holds back."""
 
 from __future__ import annotations
 

@@ -329,7 +329,8 @@ def test_generated_data_is_each_prompt_decoded_alone(tmp_path: Path) -> None:
     per prompt what the target gives it alone: its greedy answer to the first EOS (greedy_generate, tested
     against transformers), and at every position the top-K of a teacher-forced forward of the prompt and
     the answer (ids equal, probabilities to fp32 rounding). One row's EOS ends it early."""
-    from common.models.generate import greedy_generate
+    from common.kv_cache import KVCache
+    from common.models.generate import forward_rows, greedy_generate
     from common.training.data import generate_batch
 
     target = load_model(make_tiny_model(tmp_path / "t", num_layers=2, seed=5), Comm())
@@ -346,18 +347,11 @@ def test_generated_data_is_each_prompt_decoded_alone(tmp_path: Path) -> None:
         tokens = data.tokens[data.row(b)]
         assert tokens.tolist() == prompt + answer[:-1]  # the last answer token has no next one recorded
         with torch.no_grad():
-            probs = torch.softmax(target.compute_logits(teacher_forced(target, prompt + answer)), -1)
+            seq = prompt + answer  # teacher-forced: one forward of a fresh cache
+            hidden = forward_rows(target, KVCache.for_model(target, 1, len(seq)), [0], [0], [seq])[0]
+            probs = torch.softmax(target.compute_logits(hidden), -1)
         want_probs, want_ids = probs[: len(tokens)].topk(4, dim=-1)
         assert torch.equal(data.topk_ids[data.row(b)], want_ids)
         torch.testing.assert_close(data.topk_probs[data.row(b)], want_probs, rtol=1e-4, atol=1e-6)
         assert data.trained[data.row(b)].tolist() == [i >= len(prompt) - 1 for i in range(len(tokens))]
     assert ended >= 1
-
-
-def teacher_forced(target, ids: list[int]) -> torch.Tensor:
-    """[len(ids), H] hidden states of `ids` in one forward of a fresh cache."""
-    from common.kv_cache import KVCache
-
-    cache = KVCache.for_model(target, 1, len(ids))
-    positions = torch.arange(len(ids))[None]
-    return target(torch.tensor([ids]), positions, torch.zeros(1, dtype=torch.int64), cache, len(ids))[0]

@@ -227,19 +227,17 @@ class Transformer(nn.Module):
         rope = self.rotary.table(cache.max_len)  # every position the cache holds
         x, residual = self.model.embed_tokens(input_ids), None
         streams = []
-        run = self.model.layers[: max(layers) + 1] if streams_only else self.model.layers
+        last = max(layers) if streams_only else -1
         with invariant.batch_invariant(self.batch_invariant):
-            for i, layer in enumerate(run):
+            for i, layer in enumerate(self.model.layers):
                 if i in layers and write is not None:
                     write(layers.index(i), x, residual)
                 elif i in layers:
                     streams.append(x if residual is None else x + residual)
-                if streams_only and i == len(run) - 1:
-                    break  # the last stream is taken as its layer is entered
+                if i == last:
+                    return None, streams  # the last stream is taken as its layer is entered
                 kv = cache.k[i], cache.v[i]
                 x, residual = layer(x, residual, rope, slots, positions, *kv, ctx_len, prefix)
-        if streams_only:
-            return None, streams
         return self.model.norm(x, residual)[0], streams
 
     def compute_logits(

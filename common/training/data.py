@@ -90,8 +90,9 @@ def _sample(logits: Tensor, temperature: float, gen: torch.Generator) -> Tensor:
 
 
 def _topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """fp32 [..., V] -> (ids [..., K], probs [..., K]) of softmax(logits), on logits' device."""
     probs, ids = torch.softmax(logits, -1).topk(k, dim=-1)
-    return ids.cpu(), probs.cpu()
+    return ids, probs
 
 
 @torch.inference_mode()
@@ -116,11 +117,14 @@ def sample_answers(
     # Prompt positions: their top-K is kept (cheap) but they are not trained on.
     prompt_topk = []
     if top_k:
-        prompt_topk = [_topk(target.compute_logits(hidden[b, : lengths[b]]), top_k) for b in range(n)]
+        for b in range(n):  # one row's [L, V] logits at a time
+            ids, probs = _topk(target.compute_logits(hidden[b, : lengths[b]]), top_k)
+            prompt_topk.append((ids.cpu(), probs.cpu()))
     device = hidden.device
     starts = torch.tensor(lengths, dtype=torch.int64, device=device)
     slots = torch.arange(n, device=device)
-    eos = torch.tensor(sorted(eos_token_ids), dtype=torch.int64, device=device)
+    eos_ids = torch.tensor(sorted(eos_token_ids), dtype=torch.int64)
+    eos = eos_ids.to(device)
     logits = target.compute_logits(hidden[slots, starts - 1])
     live = torch.ones(n, dtype=torch.bool, device=device)
     tokens, tops = [], []  # per step: [B] ids; ([B, K] ids, [B, K] probs) of the next token's distribution
@@ -134,10 +138,9 @@ def sample_answers(
         hidden = target(ids[:, None], positions, slots, cache, max(lengths) + step + 1)
         logits = target.compute_logits(hidden[:, 0])
         if top_k:
-            top_probs, top_ids = torch.softmax(logits, -1).topk(top_k, dim=-1)
-            tops.append((top_ids, top_probs))
+            tops.append(_topk(logits, top_k))
     decoded = torch.stack(tokens, 1).cpu()  # [B, steps]
-    ended = torch.isin(decoded, eos.cpu())
+    ended = torch.isin(decoded, eos_ids)
     # each answer runs to its first EOS (kept), or through every step
     ends = torch.where(ended.any(1), ended.int().argmax(1) + 1, decoded.shape[1]).tolist()
     answers = [decoded[b, : ends[b]].tolist() for b in range(n)]
