@@ -20,7 +20,8 @@
 #         acceptance at k = 1..6 as served (EVAL_PROMPTS held-out coding prompts, $RUN/run/eval.json).
 #   GGUF=qwen2.5-coder-1.5b-instruct RUN=/tmp/qwen drafts/qwen2.5-coder-1.5b-instruct-feature/train.sh
 #   INIT=drafts/qwen2.5-coder-1.5b-instruct-feature GGUF=... RUN=...   # stage B from the shipped draft
-#   INIT=... MORE_SEED=2 ...   # a further stage B from it on data it has not seen (other seed, other questions)
+#   INIT=... MORE_SEED=2 ...   # a further stage B from it on data it has not seen (other seed, other questions):
+#                              # the shipped draft is stage A, stage B (seed 1), then stage B again with seed 2
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
