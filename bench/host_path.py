@@ -92,15 +92,16 @@ class SimulatedRunner:
 
 class SimulatedDraft:
     """The DraftLink surface the draft session uses: answers an ask `round_trip` seconds after it was
-    sent (0: at once) with k tokens per request, through the wire format (serialized and parsed)."""
+    sent (0: at once), plus `start_seconds` when it starts requests (the draft's prefill of their prompts,
+    whatever their count), with k tokens per request, through the wire format (serialized and parsed)."""
 
     connected = True
     epoch = 1
     target_vocab_size = 49152
     info = None
 
-    def __init__(self, round_trip: float = 0.0) -> None:
-        self.round_trip = round_trip
+    def __init__(self, round_trip: float = 0.0, start_seconds: float = 0.0) -> None:
+        self.round_trip, self.start_seconds = round_trip, start_seconds
         self.asks: dict[int, tuple[float, bytes]] = {}
 
     def send(self, msg: draft_pb2.SpeculateRequest, epoch: int) -> bool:
@@ -111,9 +112,10 @@ class SimulatedDraft:
         self, step: int, epoch: int, deadline: float, on_branches=None
     ) -> draft_pb2.SpeculateResponse | None:
         sent, raw = self.asks.pop(step)
-        if self.round_trip:
-            time.sleep(max(0.0, self.round_trip - (time.perf_counter() - sent)))
         msg = draft_pb2.SpeculateRequest.FromString(raw)
+        busy = self.round_trip + (self.start_seconds if msg.starts else 0.0)
+        if busy:
+            time.sleep(max(0.0, busy - (time.perf_counter() - sent)))
         response = draft_pb2.SpeculateResponse(step=step)
         for rid, k in zip(msg.propose, msg.propose_k):
             tokens = [100 + i for i in range(k)]

@@ -19,7 +19,7 @@ from target_service.draft_session import DraftSession
 from target_service.gate import ModeGate
 from target_service.policy import ADAPTIVE, COST_MEASURED, SpeculationPolicy, expected_tokens
 from target_service.request import Request
-from target_service.step_costs import PLAIN_SETTLE, StepCosts
+from target_service.step_costs import PLAIN_SETTLE, AdmissionCosts, StepCosts
 from target_service.step_trace import StepTrace
 
 if TYPE_CHECKING:
@@ -73,6 +73,7 @@ class StepAccounting:
         """`startup_verify`: (batch, width) -> seconds, the runner's start-up timings of the verify."""
         self.session, self.metrics = session, metrics
         self.costs = StepCosts(batch_buckets)
+        self.admissions = AdmissionCosts(self.costs)  # what starts add, charged to the gate's speculation
         for (batch, width), seconds in startup_verify.items():
             self.costs.observe_startup_verify(batch, width, seconds)
         self.policy = SpeculationPolicy(config.speculation_policy, self.costs)
@@ -146,13 +147,18 @@ class StepAccounting:
         # teaches the costs and gates nothing they are read for: skipping them keeps its host time a
         # plain target's.
         resting = self.policy.resting and width == 1
+        surcharge = 0.0
         if self.learn_costs:
             wall = t4 - t0 - step.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = step.ask_seconds
             if not resting and not self._unsampled(width):
                 self._learn_costs(batch, width, wall, t3 - t2, churned, step.started)
+            if not resting:
+                self.admissions.observe(batch, width - 1, step.started, emitted, wall)
+                if width > 1 and not churned:  # a churned step, counted when starved, carries its own
+                    surcharge = self.admissions.surcharge(batch, emitted)
         if not resting:
-            self._feed_gates(batch, width, emitted, t4 - t0, churned)
+            self._feed_gates(batch, width, emitted, t4 - t0, churned, surcharge)
         self._observe_metrics(step)
         self.steps += 1
         if self.trace is not None:
@@ -178,7 +184,11 @@ class StepAccounting:
         settling, self.burst_settle = self.burst_settle > 0, max(0, self.burst_settle - 1)
         return churn > 0 or settling
 
-    def _feed_gates(self, batch: int, width: int, emitted: int, wall: float, churned: bool) -> None:
+    def _feed_gates(
+        self, batch: int, width: int, emitted: int, wall: float, churned: bool, surcharge: float = 0.0
+    ) -> None:
+        """`surcharge`: seconds the speculation gate adds to this speculative step (AdmissionCosts); the
+        branch gate compares speculative steps only, so it rates the step as it ran."""
         # One gate explores at a time (ModeGate.exploring).
         speculation_exploring = self.speculation_exploring(batch)
         branch_exploring = self.branch_gate is not None and width > 1 and self.branch_gate.exploring(batch)
@@ -190,7 +200,7 @@ class StepAccounting:
             # from two up they average over the requests, and the service's acceptance understates a
             # mixed batch's expected tokens (E is convex in alpha): Qwen2.5-Coder at 16 streams fell from
             # 1.41-1.44x to 1.33-1.35x plain with them.
-            self.policy.observe_step(batch, emitted, wall, self.expected if batch == 1 else None)
+            self.policy.observe_step(batch, emitted, wall + surcharge, self.expected if batch == 1 else None)
         # Branches only change steady speculative steps: not plain ones, not the first ones after plain
         # steps (no branches yet, whether asked for or not), not one that starts or finishes requests.
         self.spec_run = self.spec_run + 1 if width > 1 else 0
@@ -244,6 +254,10 @@ class StepAccounting:
         log.debug("policy costs (bucket, k): %s", self.costs.describe())
         if self.learn_costs:
             log.debug("policy at B=%d: %s", len(batch), self.policy.explain(batch))
+            log.debug(
+                "extra ms per start (bucket, speculative): %s",
+                {k: round(v * 1e3, 2) for k, v in sorted(self.admissions.per_start.items())},
+            )
             gates = {"speculate": self.policy.gate, "branches": self.branch_gate}
             log.debug("gates: %s", "; ".join(f"{n} {g.describe()}" for n, g in gates.items() if g))
         self.phase_seconds = dict.fromkeys(self.phase_seconds, 0.0)

@@ -14,7 +14,7 @@ from target_service.detok import StreamDetokenizer
 from target_service.gate import BRANCH_GATE, SPECULATION_GATE, GateConfig, ModeGate
 from target_service.policy import SpeculationPolicy, expected_tokens
 from target_service.request import Request, check_stop
-from target_service.step_costs import StepCosts
+from target_service.step_costs import AdmissionCosts, StepCosts
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 # The model's tests take gate=False: the gate (measured windows, tested below) would hold the first
@@ -115,6 +115,25 @@ def test_one_stalled_verify_does_not_price_its_width_out():
     c.observe_step(1, 4, 2e-3, verify=1e-3, draft_wait=0.0)
     c.observe_step(1, 4, 107e-3, verify=1e-3, draft_wait=0.0)
     assert c.step_seconds(1, 4) == pytest.approx(54.5e-3)
+
+
+def test_admission_surcharge_is_speculations_extra_per_start_times_the_starts_a_step_brings():
+    c = StepCosts(BUCKETS)
+    a = AdmissionCosts(c, decay=1.0)
+    for _ in range(4):  # steady steps: 10 ms plain, 15 ms at k = 4 (batch 8)
+        c.observe_step(8, 0, 10e-3, 9e-3, 0.0)
+        c.observe_step(8, 4, 15e-3, 11e-3, 1e-3)
+    a.observe(8, 4, 0, 160, 15e-3)  # no start: counted in the rate, no sample
+    assert a.surcharge(8, 20) == 0.0  # speculation's starts not measured yet
+    a.observe(8, 4, 2, 20, 215e-3)  # two starts cost 200 ms beyond a steady step: 100 ms each
+    assert a.surcharge(8, 20) == pytest.approx(0.1 * 20 * 2 / 180)  # plain's unmeasured: counts as 0
+    a.observe(8, 0, 4, 8, 90e-3)  # plain starts 4 at once for 80 ms: 20 ms each
+    assert a.surcharge(8, 20) == pytest.approx(0.08 * 20 * 6 / 188)
+    a.observe(8, 0, 1, 8, 5e-3)  # faster than steady: no negative extra
+    assert a.per_start[8, False] == pytest.approx(0.01)  # the median of 20 ms and 0
+    a.observe(16, 4, 1, 20, 1.0)  # another bucket's steady step is untimed: no sample there
+    assert (16, True) not in a.per_start
+    assert a.surcharge(16, 20) == 0.0
 
 
 def test_batch_tokens_matches_expected_tokens():

@@ -14,6 +14,7 @@ import pytest
 
 from bench.host_path import SimulatedDraft, SimulatedRunner, run
 from target_service.gate import SPECULATION_GATE, ModeGate
+from target_service.step_costs import AdmissionCosts
 
 PLAIN_STEP, PER_POSITION, ROUND_TRIP = 2.63e-3, 0.1e-3, 3.1e-3
 
@@ -148,6 +149,37 @@ def test_slow_draft_under_churn_without_the_starvation_rule_stays_speculative(mo
     widths = widths_under_churn(tokens=24, requests=160)
     plain = sum(w == 1 for w in widths)
     assert plain <= 0.1 * len(widths), (plain, len(widths))
+
+
+# Steady speculative steps that win while the draft's prefill of each new prompt (100 ms here, 10x a plain
+# step: a 0.5B classic draft's prefill before a 1.5B target's verify) loses it all: 8 requests of 60
+# tokens, alpha 0.6, k = 4 yields 2.3 tokens per request per 15 ms step (1.6x plain's rate at 10 ms),
+# but a start per 60 tokens adds 1.7 ms per token against plain's 1.4 ms in all. The gate's windows leave
+# steps that start requests out; the admission surcharge charges speculation's extra per start to its
+# steady steps. Shares are of the steps after LEARNING (the gate's first windows and tries).
+LEARNING = 160
+
+
+def speculative_share_with_starts(start_seconds: float) -> float:
+    runner = timed_runner(0.6, 10e-3, 1e-3, buckets=(1, 2, 4, 8))
+    run(8, 60, None, 4, runner, SimulatedDraft(1e-3, start_seconds), policy="adaptive", requests=96)
+    widths = runner.widths[LEARNING:]
+    return sum(w > 1 for w in widths) / len(widths)
+
+
+def test_speculation_whose_starts_cost_more_than_it_wins_settles_on_plain():
+    assert speculative_share_with_starts(0.1) <= 0.15
+
+
+def test_without_the_admission_surcharge_speculation_with_costly_starts_stays_on(monkeypatch):
+    # The power of the test above: the gate then rates the steady steps alone, which win.
+    monkeypatch.setattr(AdmissionCosts, "surcharge", lambda self, batch, emitted: 0.0)
+    assert speculative_share_with_starts(0.1) >= 0.8
+
+
+def test_speculation_whose_starts_are_cheap_stays_on_with_the_surcharge():
+    # 10 ms per start: 0.98 ms per token in all against plain's 1.4, so speculation still wins.
+    assert speculative_share_with_starts(0.01) >= 0.7
 
 
 def test_branch_gate_counts_only_steady_speculative_steps():
