@@ -182,6 +182,33 @@ def test_speculation_whose_starts_are_cheap_stays_on_with_the_surcharge():
     assert speculative_share_with_starts(0.01) >= 0.7
 
 
+def test_the_admission_surcharge_reaches_the_speculation_gate_alone(monkeypatch):
+    """A steady speculative step is rated by the speculation gate with speculation's extra per start added,
+    by the branch gate (which compares speculative steps only) as it ran."""
+    from prometheus_client import CollectorRegistry
+
+    from common.metrics import ServiceMetrics
+    from target_service.config import TargetConfig
+    from target_service.runner import StepResult
+    from target_service.scheduler import Scheduler
+    from target_service.step_accounting import BRANCH_SETTLE, StepReport
+
+    metrics = ServiceMetrics("target", "surcharge", registry=CollectorRegistry())
+    config = TargetConfig(model="none", max_batch_size=1, speculation_policy="adaptive")
+    sched = Scheduler(SimulatedRunner(), config, metrics, SimulatedDraft(), frozenset())
+    acc = sched.accounting
+    monkeypatch.setattr(AdmissionCosts, "surcharge", lambda self, batch, emitted: 0.25 * emitted)
+    seen = {}
+    monkeypatch.setattr(type(sched.policy), "observe_step", lambda self, b, tokens, seconds, expected=None:
+                        seen.__setitem__("speculation", seconds))  # fmt: skip
+    monkeypatch.setattr(type(acc.branch_gate), "observe", lambda self, b, tokens, seconds:
+                        seen.__setitem__("branches", seconds))  # fmt: skip
+    acc.spec_run = BRANCH_SETTLE + 1  # a steady speculative step, as the branch gate counts
+    marks = (0.0, 0.0, 0.0, 0.0, 1e-3)
+    acc.observe(StepReport([object()], 3, StepResult([[1, 2, 3]], [2], 0.0), marks=marks))
+    assert seen == {"speculation": pytest.approx(1e-3 + 0.75), "branches": pytest.approx(1e-3)}
+
+
 def test_branch_gate_counts_only_steady_speculative_steps():
     """The branch gate compares speculative steps with branches asked for or not: plain steps, the first
     BRANCH_SETTLE speculative steps after plain ones (no branches exist yet either way) and a step that
