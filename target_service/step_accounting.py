@@ -154,7 +154,8 @@ class StepAccounting:
             if not resting and not self._unsampled(width):
                 self._learn_costs(batch, width, wall, t3 - t2, churned, step.started)
             if not resting:
-                self.admissions.observe(batch, width - 1, step.started, emitted, wall)
+                steady = self._steady_mode(width)
+                self.admissions.observe(batch, width - 1, step.started, emitted, wall, steady)
                 if width > 1 and not churned:  # a churned step, counted when starved, carries its own
                     surcharge = self.admissions.surcharge(batch, emitted)
         if not resting:
@@ -168,6 +169,16 @@ class StepAccounting:
             self.phase_seconds[phase] += b - a
         if self.steps % LOG_EVERY == 0 and log.isEnabledFor(logging.DEBUG):
             self._log(step.batch)
+
+    def _steady_mode(self, width: int) -> bool:
+        """Whether the step ran in its mode's steady state, so that what starting requests added to it is
+        a sample of that mode's (AdmissionCosts): a speculative step after a speculative one (not the
+        catch-up of every request after plain steps; spec_run counts the steps before this one), a plain
+        one that waited for no ask past PLAIN_SETTLE such steps (no draft round left on the GPU; plain_run
+        counts this one, as for the plain step costs)."""
+        if width > 1:
+            return self.spec_run > 0
+        return self.plain_run > PLAIN_SETTLE and not self.session.last_asked
 
     def _unsampled(self, width: int) -> bool:
         """A plain step while the gate holds speculation off by measurement that is not a cost sample

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import math
 import statistics
 from collections.abc import Sequence
 
@@ -223,25 +224,30 @@ class AdmissionCosts:
 
     The speculation gate rates steady steps only (steps that start requests would decide a window by
     their bursts), so it does not see what speculation adds to a start: the draft's prefill of the
-    prompt before the verify, and, because speculative requests finish at scattered steps, starts one or
-    two at a time where plain decoding starts them in waves and prices a prefill over many. `surcharge`
+    prompt before the verify, and, because speculative requests finish at scattered steps, starts a few
+    at a time where plain decoding starts them in waves and prices a prefill over many. `surcharge`
     charges that extra to the gate's speculative steps, at the rate requests start: with the 0.5B as a
     classic draft of Qwen2.5-Coder-1.5B at 64 streams, steady speculative steps ran 1.21x plain's rate
     while 31 % of speculative steps started a request at 14.5 ms against 8.4, and adaptive ran 0.89x."""
 
-    def __init__(self, costs: StepCosts, window: int = 32, decay: float = 0.995):
+    # The start rate's horizon in output tokens: several requests' lives at any batch (64 streams of
+    # 192-token requests emit 12 288 tokens a wave), so waves of plain starts do not swing it.
+    HORIZON_TOKENS = 65536.0
+
+    def __init__(self, costs: StepCosts, window: int = 32):
         self.costs = costs
         # (bucket, speculative) -> seconds a step spent beyond its steady median, per request it started
         self.per_start = Medians(window)
-        # Requests started and tokens emitted, decayed per step (a horizon of ~1 / (1 - decay) steps).
-        self.decay, self.starts, self.tokens = decay, 0.0, 0.0
+        self.starts = self.tokens = 0.0  # requests started and tokens emitted, decayed per token
 
-    def observe(self, batch: int, k: int, started: int, emitted: int, wall: float) -> None:
-        """One step at k: its starts and tokens, and, when it started requests and k's steady step is
-        timed at its bucket, its extra seconds per start."""
-        self.starts = self.starts * self.decay + started
-        self.tokens = self.tokens * self.decay + emitted
-        if not started:
+    def observe(self, batch: int, k: int, started: int, emitted: int, wall: float, sample: bool) -> None:
+        """One step at k: its starts and tokens, and, when it started requests, `sample` (a step of its
+        mode's steady state: no catch-up of the draft after plain steps in it, no draft round after
+        speculative ones under it) and k's steady step is timed at its bucket, its extra per start."""
+        keep = math.exp(-emitted / self.HORIZON_TOKENS)
+        self.starts = self.starts * keep + started
+        self.tokens = self.tokens * keep + emitted
+        if not (started and sample):
             return
         b = self.costs.bucket(batch)
         steady = self.costs.step.get((b, k))
@@ -250,10 +256,14 @@ class AdmissionCosts:
 
     def surcharge(self, batch: int, emitted: int) -> float:
         """Seconds to add to a steady speculative step of `emitted` tokens: speculation's extra per start
-        over plain's (0 while plain's is unmeasured) times the starts those tokens bring."""
+        over plain's times the starts those tokens bring. Plain's extra is this bucket's, else the nearest
+        bucket's, else taken as none (while speculation is held on, plain starts are rare)."""
         b = self.costs.bucket(batch)
         speculative = self.per_start.get((b, True))
         if speculative is None or self.tokens <= 0.0:
             return 0.0
-        extra = speculative - self.per_start.get((b, False), 0.0)
-        return max(0.0, extra) * emitted * self.starts / self.tokens
+        plain = self.per_start.get((b, False))
+        if plain is None:
+            known = [(self.costs.distance(bb, b), s) for (bb, spec), s in self.per_start.items() if not spec]
+            plain = min(known)[1] if known else 0.0
+        return max(0.0, speculative - plain) * emitted * self.starts / self.tokens

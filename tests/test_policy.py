@@ -4,6 +4,7 @@ the gate measures whether speculation pays at all."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
@@ -117,23 +118,36 @@ def test_one_stalled_verify_does_not_price_its_width_out():
     assert c.step_seconds(1, 4) == pytest.approx(54.5e-3)
 
 
-def test_admission_surcharge_is_speculations_extra_per_start_times_the_starts_a_step_brings():
+def test_admission_surcharge_is_speculations_extra_per_start_times_the_starts_a_step_brings(monkeypatch):
+    monkeypatch.setattr(AdmissionCosts, "HORIZON_TOKENS", float("inf"))  # no decay: exact sums
     c = StepCosts(BUCKETS)
-    a = AdmissionCosts(c, decay=1.0)
+    a = AdmissionCosts(c)
     for _ in range(4):  # steady steps: 10 ms plain, 15 ms at k = 4 (batch 8)
         c.observe_step(8, 0, 10e-3, 9e-3, 0.0)
         c.observe_step(8, 4, 15e-3, 11e-3, 1e-3)
-    a.observe(8, 4, 0, 160, 15e-3)  # no start: counted in the rate, no sample
+    a.observe(8, 4, 0, 160, 15e-3, True)  # no start: counted in the rate, no sample
     assert a.surcharge(8, 20) == 0.0  # speculation's starts not measured yet
-    a.observe(8, 4, 2, 20, 215e-3)  # two starts cost 200 ms beyond a steady step: 100 ms each
-    assert a.surcharge(8, 20) == pytest.approx(0.1 * 20 * 2 / 180)  # plain's unmeasured: counts as 0
-    a.observe(8, 0, 4, 8, 90e-3)  # plain starts 4 at once for 80 ms: 20 ms each
-    assert a.surcharge(8, 20) == pytest.approx(0.08 * 20 * 6 / 188)
-    a.observe(8, 0, 1, 8, 5e-3)  # faster than steady: no negative extra
+    a.observe(8, 4, 2, 20, 215e-3, True)  # two starts cost 200 ms beyond a steady step: 100 ms each
+    assert a.surcharge(8, 20) == pytest.approx(0.1 * 20 * 2 / 180)  # plain's unmeasured anywhere: none
+    a.observe(8, 0, 4, 8, 90e-3, False)  # not its mode's steady state (a catch-up, a draft round left)
+    assert (8, False) not in a.per_start and a.starts == 6
+    a.observe(8, 0, 4, 8, 90e-3, True)  # plain starts 4 at once for 80 ms: 20 ms each
+    assert a.surcharge(8, 20) == pytest.approx(0.08 * 20 * 10 / 196)
+    a.observe(8, 0, 1, 8, 5e-3, True)  # faster than steady: no negative extra
     assert a.per_start[8, False] == pytest.approx(0.01)  # the median of 20 ms and 0
-    a.observe(16, 4, 1, 20, 1.0)  # another bucket's steady step is untimed: no sample there
-    assert (16, True) not in a.per_start
-    assert a.surcharge(16, 20) == 0.0
+    a.observe(16, 4, 1, 20, 1.0, True)  # another bucket's steady step is untimed: no sample there
+    assert (16, True) not in a.per_start and a.surcharge(16, 20) == 0.0
+    c.observe_step(16, 4, 20e-3, 15e-3, 1e-3)
+    a.observe(16, 4, 1, 20, 120e-3, True)  # 100 ms per start; plain's from the nearest bucket (8): 10 ms
+    assert a.surcharge(16, 20) == pytest.approx(0.09 * 20 * a.starts / a.tokens)
+
+
+def test_the_start_rate_forgets_over_its_token_horizon():
+    a = AdmissionCosts(StepCosts(BUCKETS))
+    a.observe(8, 0, 8, 8, 0.0, False)  # a wave: 8 starts
+    for _ in range(int(a.HORIZON_TOKENS) // 64):  # one horizon of steps that start nothing
+        a.observe(8, 0, 0, 64, 0.0, False)
+    assert a.starts == pytest.approx(8 / math.e, rel=1e-3)
 
 
 def test_batch_tokens_matches_expected_tokens():

@@ -162,7 +162,7 @@ LEARNING = 160
 
 def speculative_share_with_starts(start_seconds: float) -> float:
     runner = timed_runner(0.6, 10e-3, 1e-3, buckets=(1, 2, 4, 8))
-    run(8, 60, None, 4, runner, SimulatedDraft(1e-3, start_seconds), policy="adaptive", requests=96)
+    run(8, 60, None, 4, runner, SimulatedDraft(1e-3, start_seconds), policy="adaptive", requests=128)
     widths = runner.widths[LEARNING:]
     return sum(w > 1 for w in widths) / len(widths)
 
@@ -207,6 +207,15 @@ def test_the_admission_surcharge_reaches_the_speculation_gate_alone(monkeypatch)
     marks = (0.0, 0.0, 0.0, 0.0, 1e-3)
     acc.observe(StepReport([object()], 3, StepResult([[1, 2, 3]], [2], 0.0), marks=marks))
     assert seen == {"speculation": pytest.approx(1e-3 + 0.75), "branches": pytest.approx(1e-3)}
+    seen.clear()
+    acc.observe(StepReport([object()], 1, StepResult([[1]], [0], 0.0), marks=marks))  # a plain step
+    assert seen == {"speculation": pytest.approx(1e-3)}
+    # A step that starts a request, counted in the windows because every step churns (GATE_STARVED):
+    # its wall carries its start already.
+    monkeypatch.setattr("target_service.step_accounting.GATE_STARVED", 0)
+    acc.spec_run = BRANCH_SETTLE + 1
+    acc.observe(StepReport([object()], 3, StepResult([[1, 2, 3]], [2], 0.0), started=1, marks=marks))
+    assert seen == {"speculation": pytest.approx(1e-3)}
 
 
 def test_branch_gate_counts_only_steady_speculative_steps():
