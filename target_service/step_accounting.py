@@ -156,7 +156,10 @@ class StepAccounting:
             if not resting:
                 steady = self._steady_mode(width)
                 self.admissions.observe(batch, width - 1, step.started, emitted, wall, steady)
-                if width > 1 and not churned:  # a churned step, counted when starved, carries its own
+                # Not on a churned step (counted when starved, it carries its own starts), nor in a plain
+                # window (a step there drafts only for requests that pin their k).
+                gate = self.policy.gate
+                if width > 1 and not churned and (gate is None or gate.mode(batch) is not False):
                     surcharge = self.admissions.surcharge(batch, emitted)
         if not resting:
             self._feed_gates(batch, width, emitted, t4 - t0, churned, surcharge)

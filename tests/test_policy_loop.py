@@ -189,6 +189,7 @@ def test_the_admission_surcharge_reaches_the_speculation_gate_alone(monkeypatch)
 
     from common.metrics import ServiceMetrics
     from target_service.config import TargetConfig
+    from target_service.gate import _Window
     from target_service.runner import StepResult
     from target_service.scheduler import Scheduler
     from target_service.step_accounting import BRANCH_SETTLE, StepReport
@@ -210,6 +211,10 @@ def test_the_admission_surcharge_reaches_the_speculation_gate_alone(monkeypatch)
     seen.clear()
     acc.observe(StepReport([object()], 1, StepResult([[1]], [0], 0.0), marks=marks))  # a plain step
     assert seen == {"speculation": pytest.approx(1e-3)}
+    sched.policy.gate.state[1] = _Window(False)  # a plain window: drafts only for requests pinning their k
+    acc.observe(StepReport([object()], 3, StepResult([[1, 2, 3]], [2], 0.0), marks=marks))
+    assert seen["speculation"] == pytest.approx(1e-3)
+    del sched.policy.gate.state[1]
     # A step that starts a request, counted in the windows because every step churns (GATE_STARVED):
     # its wall carries its start already.
     monkeypatch.setattr("target_service.step_accounting.GATE_STARVED", 0)
