@@ -178,10 +178,10 @@ class StepAccounting:
         a sample of that mode's (AdmissionCosts): a speculative step after a speculative one (not the
         catch-up of every request after plain steps; spec_run counts the steps before this one), a plain
         one that waited for no ask past PLAIN_SETTLE such steps (no draft round left on the GPU; plain_run
-        counts this one, as for the plain step costs)."""
+        counts this one, as for the plain step costs, and restarts at a step that waited for one)."""
         if width > 1:
             return self.spec_run > 0
-        return self.plain_run > PLAIN_SETTLE and not self.session.last_asked
+        return self.plain_run > PLAIN_SETTLE
 
     def _unsampled(self, width: int) -> bool:
         """A plain step while the gate holds speculation off by measurement that is not a cost sample
@@ -199,7 +199,7 @@ class StepAccounting:
         return churn > 0 or settling
 
     def _feed_gates(
-        self, batch: int, width: int, emitted: int, wall: float, churned: bool, surcharge: float = 0.0
+        self, batch: int, width: int, emitted: int, wall: float, churned: bool, surcharge: float
     ) -> None:
         """`surcharge`: seconds the speculation gate adds to this speculative step (AdmissionCosts); the
         branch gate compares speculative steps only, so it rates the step as it ran."""
@@ -270,7 +270,11 @@ class StepAccounting:
             log.debug("policy at B=%d: %s", len(batch), self.policy.explain(batch))
             log.debug(
                 "extra ms per start (bucket, speculative): %s",
-                {k: round(v * 1e3, 2) for k, v in sorted(self.admissions.per_start.items())},
+                {
+                    (b, spec): round(v * 1e3, 2)
+                    for spec, m in self.admissions.per_start.items()
+                    for b, v in m.items()
+                },
             )
             gates = {"speculate": self.policy.gate, "branches": self.branch_gate}
             log.debug("gates: %s", "; ".join(f"{n} {g.describe()}" for n, g in gates.items() if g))

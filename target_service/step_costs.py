@@ -151,13 +151,17 @@ class StepCosts:
             key = self._nearest_draft[b, k] = min(known)[2]
         return self.draft[key]
 
+    def nearest(self, by_bucket: dict[int, float], batch: int) -> float | None:
+        """A value of `by_bucket` at this batch's bucket, else at the nearest one (None: it is empty)."""
+        b = self.bucket(batch)
+        if b in by_bucket:
+            return by_bucket[b]
+        known = [(self.distance(bb, b), s) for bb, s in by_bucket.items()]
+        return min(known)[1] if known else None
+
     def residue_seconds(self, batch: int) -> float:
         """The host residue of a step at this bucket, or at the nearest bucket that has one."""
-        b = self.bucket(batch)
-        if b in self.residue:
-            return self.residue[b]
-        known = [(self.distance(bb, b), s) for bb, s in self.residue.items()]
-        return min(known)[1] if known else 0.0
+        return self.nearest(self.residue, batch) or 0.0
 
     def step_seconds(self, batch: int, k: int) -> float | None:
         """A whole step at k: timed; else between the buckets on either side that timed k (linear in the
@@ -236,8 +240,8 @@ class AdmissionCosts:
 
     def __init__(self, costs: StepCosts, window: int = 32):
         self.costs = costs
-        # (bucket, speculative) -> seconds a step spent beyond its steady median, per request it started
-        self.per_start = Medians(window)
+        # speculative -> bucket -> seconds a step spent beyond its steady median, per request it started
+        self.per_start = {True: Medians(window), False: Medians(window)}
         self.starts = self.tokens = 0.0  # requests started and tokens emitted, decayed per token
 
     def observe(self, batch: int, k: int, started: int, emitted: int, wall: float, sample: bool) -> None:
@@ -252,18 +256,14 @@ class AdmissionCosts:
         b = self.costs.bucket(batch)
         steady = self.costs.step.get((b, k))
         if steady is not None:
-            self.per_start.observe((b, k > 0), max(0.0, wall - steady) / started)
+            self.per_start[k > 0].observe(b, max(0.0, wall - steady) / started)
 
     def surcharge(self, batch: int, emitted: int) -> float:
         """Seconds to add to a steady speculative step of `emitted` tokens: speculation's extra per start
         over plain's times the starts those tokens bring. Plain's extra is this bucket's, else the nearest
         bucket's, else taken as none (while speculation is held on, plain starts are rare)."""
-        b = self.costs.bucket(batch)
-        speculative = self.per_start.get((b, True))
+        speculative = self.per_start[True].get(self.costs.bucket(batch))
         if speculative is None or self.tokens <= 0.0:
             return 0.0
-        plain = self.per_start.get((b, False))
-        if plain is None:
-            known = [(self.costs.distance(bb, b), s) for (bb, spec), s in self.per_start.items() if not spec]
-            plain = min(known)[1] if known else 0.0
+        plain = self.costs.nearest(self.per_start[False], batch) or 0.0
         return max(0.0, speculative - plain) * emitted * self.starts / self.tokens

@@ -130,13 +130,13 @@ def test_admission_surcharge_is_speculations_extra_per_start_times_the_starts_a_
     a.observe(8, 4, 2, 20, 215e-3, True)  # two starts cost 200 ms beyond a steady step: 100 ms each
     assert a.surcharge(8, 20) == pytest.approx(0.1 * 20 * 2 / 180)  # plain's unmeasured anywhere: none
     a.observe(8, 0, 4, 8, 90e-3, False)  # not its mode's steady state (a catch-up, a draft round left)
-    assert (8, False) not in a.per_start and a.starts == 6
+    assert 8 not in a.per_start[False] and a.starts == 6
     a.observe(8, 0, 4, 8, 90e-3, True)  # plain starts 4 at once for 80 ms: 20 ms each
     assert a.surcharge(8, 20) == pytest.approx(0.08 * 20 * 10 / 196)
     a.observe(8, 0, 1, 8, 5e-3, True)  # faster than steady: no negative extra
-    assert a.per_start[8, False] == pytest.approx(0.01)  # the median of 20 ms and 0
+    assert a.per_start[False][8] == pytest.approx(0.01)  # the median of 20 ms and 0
     a.observe(16, 4, 1, 20, 1.0, True)  # another bucket's steady step is untimed: no sample there
-    assert (16, True) not in a.per_start and a.surcharge(16, 20) == 0.0
+    assert 16 not in a.per_start[True] and a.surcharge(16, 20) == 0.0
     c.observe_step(16, 4, 20e-3, 15e-3, 1e-3)
     a.observe(16, 4, 1, 20, 120e-3, True)  # 100 ms per start; plain's from the nearest bucket (8): 10 ms
     assert a.surcharge(16, 20) == pytest.approx(0.09 * 20 * a.starts / a.tokens)

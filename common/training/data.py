@@ -81,6 +81,9 @@ class Sequences:
         )
 
 
+EXIT_CHECK_EVERY = 16  # decode steps between read-backs of whether a batch's answers have all ended
+
+
 def _sample(logits: Tensor, temperature: float, gen: torch.Generator) -> Tensor:
     """fp32 [B, V] -> [B] ids: argmax at temperature 0, else a draw from softmax(logits / T)."""
     if temperature <= 0:
@@ -109,7 +112,8 @@ def sample_answers(
     top_k > 0 its top-K at every prompt position, and at every answer position but the last as one
     (ids [n, K], probs [n, K]) pair per answer (else [] and []).
     The decode loop stays on the device: a step's tokens and top-K are kept there and read back once at the
-    end; a finished row keeps decoding (its outputs are dropped), so the batch's shape never changes."""
+    end; a finished row keeps decoding (its outputs are dropped), so the batch's shape never changes, and
+    the loop ends within EXIT_CHECK_EVERY steps of the last row's end."""
     n = len(prompts)
     cache = KVCache.for_model(target, n, max(map(len, prompts)) + max_new_tokens)
     hidden = forward_rows(target, cache, list(range(n)), [0] * n, prompts)
@@ -132,7 +136,10 @@ def sample_answers(
         ids = target.map_to_target(_sample(logits, temperature, gen))
         tokens.append(ids)
         live &= ~torch.isin(ids, eos)
-        if step + 1 == max_new_tokens or not bool(live.any()):
+        # Whether every row has ended is read back every EXIT_CHECK_EVERY steps only: a read-back each step
+        # would stop the host from queueing the next step's kernels while the GPU runs this one.
+        last = step + 1 == max_new_tokens
+        if last or (step % EXIT_CHECK_EVERY == EXIT_CHECK_EVERY - 1 and not bool(live.any())):
             break
         positions = (starts + step)[:, None]
         hidden = target(ids[:, None], positions, slots, cache, max(lengths) + step + 1)
