@@ -24,6 +24,11 @@ from collections.abc import Sequence
 # k = 0: the draft may still be running the round it started after its last answer (draft-ahead: 5.3 ms
 # on GPUs it shared with the target at TP=2, against a 2.7 ms plain step).
 PLAIN_SETTLE = 2
+# Whole steady steps per (bucket, k) in a median. Two k's can be a few per cent apart in goodput (k = 3
+# and k = 4 of Qwen2.5-Coder-1.5B's feature draft at 16 streams: 3.5 %) while single steps spread by
+# 10 % or more; over 16 steps the worse k then ran 15-25 % of the steps in the simulated policy, over 32
+# 8-18 % (tests/test_policy.py).
+STEP_WINDOW = 32
 
 
 class Medians(dict):
@@ -55,7 +60,7 @@ class StepCosts:
         # it; a price too low corrects itself (the k is chosen and its whole steps timed).
         self.verify = Medians(window, low=True)  # (bucket, width) -> the verify forward
         self.draft = Medians(window)  # (bucket, k) -> the wait for the draft's answer
-        self.step = Medians(window)  # (bucket, k) -> a whole steady step
+        self.step = Medians(max(window, STEP_WINDOW))  # (bucket, k) -> a whole steady step
         self.residue = Medians(window)  # bucket -> a step's wall less its verify and draft wait
         self.startup: dict[tuple[int, int], float] = {}  # (bucket, width) -> verify timed at start-up
         self.served: set[tuple[int, int]] = set()  # (bucket, width) of verifies timed in served steps

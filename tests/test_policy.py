@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import replace
 
 import pytest
 
 from target_service import policy as policy_module
+from target_service import step_costs as step_costs_module
 from target_service.detok import StreamDetokenizer
 from target_service.gate import BRANCH_GATE, SPECULATION_GATE, GateConfig, ModeGate
 from target_service.policy import SpeculationPolicy, expected_tokens
 from target_service.request import Request, check_stop
-from target_service.step_costs import AdmissionCosts, StepCosts
+from target_service.step_costs import STEP_WINDOW, AdmissionCosts, StepCosts
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 # The model's tests take gate=False: the gate (measured windows, tested below) would hold the first
@@ -650,12 +652,13 @@ def test_a_rival_that_grows_faster_is_found_within_the_longest_wait():
     assert found <= policy_module.REFRESH_AGE_MAX + policy_module.REFRESH_STEPS, found
     assert chosen[found + 8 :].count(3) / len(chosen[found + 8 :]) > 0.9
     # The best growing slower: k = 4 steps take 8 ms from step 300 on; k = 3 (4.05 ms) takes over once
-    # half of k = 4's window of 16 has the new cost.
+    # half of k = 4's window of STEP_WINDOW steps has the new cost.
     c = _timed_costs(true)
     chosen = _steady_run(SpeculationPolicy("adaptive", c, gate=False), c,
                          lambda i, k: 8e-3 if k == 4 and i >= 300 else true[k], 600)  # fmt: skip
     left = next(i for i in range(300, 600) if chosen[i] != 4)
-    assert left <= 300 + 9 and chosen[320:].count(4) / len(chosen[320:]) < 0.05, left
+    settled = 300 + STEP_WINDOW // 2 + 1
+    assert left <= settled and chosen[settled + 8 :].count(4) / len(chosen[settled + 8 :]) < 0.05, left
 
 
 def test_steps_without_speculating_requests_do_not_count_in_the_gate():
@@ -894,3 +897,50 @@ def test_an_untimed_k_is_tried_once_its_bucket_is_old(gate, monkeypatch):
     monkeypatch.setattr(policy_module, "UNTIMED_AGE", 10**9)
     monkeypatch.setattr(policy_module, "REFRESH_AGE", 10**9)
     assert 4 not in run()
+
+
+# Whole steps of Qwen2.5-Coder-1.5B + its feature draft at 16 streams, ms per k (k = 0, 3 and 4: step-trace
+# medians on an H100; 1 and 2 between): k = 4 has 3.5 % more goodput than k = 3 at per-token acceptance
+# 0.657. Single steps spread by 10 % (lognormal) and one in 50 stalls at 3x.
+NEAR_TIE_MS = {0: 1.99, 1: 2.45, 2: 2.58, 3: 2.75, 4: 2.83}
+
+
+def _near_tie_share(seed: int, steps: int = 5000, alpha: float = 0.657, batch: int = 16) -> float:
+    """Share of the steps at k = 4 of the adaptive policy (with its gate, as served) in a batch whose k = 3
+    and k = 4 are NEAR_TIE_MS apart, each request drawing its accepted drafts at `alpha`."""
+    rng = random.Random(seed)
+    c = StepCosts(BUCKETS)
+    for width in range(1, 6):  # the start-up timings of the verify
+        c.observe_startup_verify(batch, width, (1.6 + 0.15 * width) * 1e-3)
+    policy, running = SpeculationPolicy("adaptive", c), reqs(batch, alpha=alpha, trials=20)
+    at_4, plain_run = 0, 0
+    for _ in range(steps):
+        k = policy.choose(running)
+        noise = math.exp(rng.gauss(0.0, 0.1)) * (3.0 if rng.random() < 0.02 else 1.0)
+        wall, verify, emitted = NEAR_TIE_MS[k] * 1e-3 * noise, (1.6 + 0.15 * (k + 1)) * 1e-3 * noise, 0
+        for r in running:
+            accepted = next((i for i in range(k) if rng.random() >= alpha), k)
+            r.spec.observe(k, accepted)
+            policy.observe(k, accepted)
+            emitted += accepted + 1
+        c.observe_verify(batch, k + 1, verify)
+        plain_run = plain_run + 1 if k == 0 else 0
+        if k:
+            c.observe_draft(batch, k, 0.15e-3)
+            c.observe_step(batch, k, wall, verify, 0.15e-3)
+        elif plain_run > 2:
+            c.observe_step(batch, 0, wall, verify, 0.0)
+        policy.observe_step(batch, emitted, wall)
+        at_4 += k == 4
+    return at_4 / steps
+
+
+def test_of_two_k_within_the_noise_of_single_steps_the_better_runs_most_steps(monkeypatch):
+    """Medians of STEP_WINDOW (32) steps: k = 4 in a median of at least 90 % of the steps over 6 runs (0.89-
+    0.94 each). Power: over 16-step medians the median is below 90 % (0.80-0.88 each: the worse k = 3 runs
+    up to a fifth of the steps)."""
+    shares = [_near_tie_share(seed) for seed in range(6)]
+    assert statistics.median(shares) >= 0.90, shares
+    monkeypatch.setattr(step_costs_module, "STEP_WINDOW", 16)
+    shares_16 = [_near_tie_share(seed) for seed in range(6)]
+    assert statistics.median(shares_16) < 0.90, shares_16
