@@ -13,8 +13,8 @@ All targets start at once on one device (`--configs`, each its own process):
   remote    the feature draft as its own service (python -m draft_service) on the same device, the target
             with --draft-address, adaptive; only at --remote-batches;
   remote-fixed  the same with the fixed policy (k = --k every step);
-  plain-grouped, adaptive-grouped  plain and adaptive with requests joining the batch in groups
-            (--admit-wait-steps 8), not at once;
+  plain-grouped, adaptive-grouped, fixed-grouped  plain, adaptive and fixed with requests joining the
+            batch in groups (--admit-wait-steps 8), not at once;
   plain-invariant, adaptive-invariant, fixed-invariant  plain, adaptive and fixed with
             --batch-invariant (every GEMM in one fixed-tile kernel: greedy output equals plain decoding at
             any batch); their x plain is over plain-invariant where it ran, else over plain.
@@ -64,6 +64,7 @@ CONFIGS = (
     "remote-fixed",
     "plain-grouped",
     "adaptive-grouped",
+    "fixed-grouped",
     "plain-invariant",
     "adaptive-invariant",
     "fixed-invariant",

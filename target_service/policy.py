@@ -28,6 +28,10 @@ FIXED, ADAPTIVE = "fixed", "adaptive"
 # its bucket without a sample runs REFRESH_STEPS steps and drops its old samples: a median from the
 # warm-up can hold the policy off the best k. An untimed k counts as old as the bucket.
 REFRESH_AGE, REFRESH_STEPS, REFRESH_WITHIN = 64, 4, 0.6
+# A refresh whose REFRESH_STEPS steps gave no cost sample runs on until one does, REFRESH_MAX_STEPS steps
+# at most: steps that start or finish requests are none (StepAccounting), and a refresh through a run of
+# starts would otherwise end on the stale median it was to replace, and count as lost.
+REFRESH_MAX_STEPS = 4 * REFRESH_STEPS
 # A k never timed at a bucket is tried after UNTIMED_AGE steady steps there: estimates from parts
 # overestimate a k whose draft wait overlaps its verify, and knowing early pays for the bucket's life.
 UNTIMED_AGE = 8
@@ -82,7 +86,7 @@ class SpeculationPolicy:
         # Speculation on or off per batch bucket, by measured throughput (None: the model decides).
         self.gate = ModeGate(costs, gate_config) if gate and mode == ADAPTIVE else None
         self.gated = False
-        self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps left) of a refresh
+        self.refreshing: dict[int, tuple[int, int]] = {}  # bucket -> (k, steps run) of a refresh
         self.refresh_age: dict[tuple[int, int], int] = {}  # (bucket, k) -> its wait (default REFRESH_AGE)
         self.last_k: int | None = None  # the k chosen for the last step (None: none chosen yet)
         self.off_reason = ""  # why the last step chose k = 0 though the batch allowed more ("": it did not)
@@ -201,15 +205,16 @@ class SpeculationPolicy:
 
     def _refresh(self, batch: int, best: int, goodput: list[float]) -> int:
         """`best`, or a close rival k whose timing has gone stale (its refresh age, from REFRESH_AGE up to
-        REFRESH_AGE_MAX), for REFRESH_STEPS steps."""
+        REFRESH_AGE_MAX), for REFRESH_STEPS steps (more while none of them was a cost sample)."""
         b = self.costs.bucket(batch)
-        k, left = self.refreshing.get(b, (0, 0))
-        if left > 0 and k < len(goodput):
-            self.refreshing[b] = (k, left - 1)
+        k, ran = self.refreshing.get(b, (0, 0))
+        sampled = self.costs.samples(batch, k) if k else 0
+        if k and k < len(goodput) and (ran < REFRESH_STEPS or (not sampled and ran < REFRESH_MAX_STEPS)):
+            self.refreshing[b] = (k, ran + 1)
             return k
-        if k:  # a refresh ended: its k waits twice as long for the next if it lost, starts over if it won
-            del self.refreshing[b]
-            if k != best:
+        if k:  # a refresh ended: its k waits twice as long for the next if it lost on samples of its own,
+            del self.refreshing[b]  # starts over if it won
+            if k != best and sampled:
                 self.refresh_age[b, k] = min(2 * self.refresh_age.get((b, k), REFRESH_AGE), REFRESH_AGE_MAX)
         self.refresh_age.pop((b, best), None)
         stale = {
@@ -223,7 +228,7 @@ class SpeculationPolicy:
             return best
         k = max(stale, key=stale.__getitem__)
         self.costs.restart(batch, k)
-        self.refreshing[b] = (k, REFRESH_STEPS - 1)
+        self.refreshing[b] = (k, 1)
         return k
 
     def _first_wait(self, batch: int, k: int) -> int:

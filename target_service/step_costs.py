@@ -114,6 +114,10 @@ class StepCosts:
         """Whether whole steady steps at k were timed at this bucket (else its cost is its parts)."""
         return (self.bucket(batch), k) in self.step
 
+    def samples(self, batch: int, k: int) -> int:
+        """Whole steady steps at k timed at this bucket since its last restart (at most the window)."""
+        return len(self.step.recent.get((self.bucket(batch), k), ()))
+
     def restart(self, batch: int, k: int) -> None:
         """k's next samples at this bucket replace its old ones (its median stays until the first)."""
         b = self.bucket(batch)
@@ -248,20 +252,29 @@ class AdmissionCosts:
         # speculative -> bucket -> seconds a step spent beyond its steady median, per request it started
         self.per_start = {True: Medians(window), False: Medians(window)}
         self.starts = self.tokens = 0.0  # requests started and tokens emitted, decayed per token
+        # A start's sample waits for the next step, which its work still slows (START_SETTLE):
+        # (speculative, bucket, extra seconds so far, requests started), or None.
+        self.open: tuple[bool, int, float, int] | None = None
 
     def observe(self, batch: int, k: int, started: int, emitted: int, wall: float, sample: bool) -> None:
         """One step at k: its starts and tokens, and, when it started requests, `sample` (a step of its
         mode's steady state: no catch-up of the draft after plain steps in it, no draft round after
-        speculative ones under it) and k's steady step is timed at its bucket, its extra per start."""
+        speculative ones under it) and k's steady step is timed at its bucket, its extra per start: its
+        own wall beyond the steady median and the next step's, unless that one starts requests too or
+        runs the other mode."""
         keep = math.exp(-emitted / self.HORIZON_TOKENS)
         self.starts = self.starts * keep + started
         self.tokens = self.tokens * keep + emitted
-        if not (started and sample):
-            return
         b = self.costs.bucket(batch)
         steady = self.costs.step.get((b, k))
-        if steady is not None:
-            self.per_start[k > 0].observe(b, max(0.0, wall - steady) / started)
+        if self.open is not None:
+            speculative, bucket, extra, count = self.open
+            if not started and steady is not None and (k > 0) == speculative:
+                extra += max(0.0, wall - steady)
+            self.per_start[speculative].observe(bucket, extra / count)
+            self.open = None
+        if started and sample and steady is not None:
+            self.open = (k > 0, b, max(0.0, wall - steady), started)
 
     def surcharge(self, batch: int, emitted: int) -> float:
         """Seconds to add to a steady speculative step of `emitted` tokens: speculation's extra per start

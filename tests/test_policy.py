@@ -129,18 +129,25 @@ def test_admission_surcharge_is_speculations_extra_per_start_times_the_starts_a_
         c.observe_step(8, 4, 15e-3, 11e-3, 1e-3)
     a.observe(8, 4, 0, 160, 15e-3, True)  # no start: counted in the rate, no sample
     assert a.surcharge(8, 20) == 0.0  # speculation's starts not measured yet
-    a.observe(8, 4, 2, 20, 215e-3, True)  # two starts cost 200 ms beyond a steady step: 100 ms each
-    assert a.surcharge(8, 20) == pytest.approx(0.1 * 20 * 2 / 180)  # plain's unmeasured anywhere: none
+    a.observe(8, 4, 2, 20, 215e-3, True)  # two starts cost 200 ms beyond a steady step ...
+    assert a.surcharge(8, 20) == 0.0  # ... and their sample waits for the next step (START_SETTLE)
+    a.observe(8, 4, 0, 20, 35e-3, True)  # which they slow by 20 ms: 220 ms for two, 110 ms each
+    assert a.surcharge(8, 20) == pytest.approx(0.11 * 20 * 2 / 200)  # plain's unmeasured anywhere: none
     a.observe(8, 0, 4, 8, 90e-3, False)  # not its mode's steady state (a catch-up, a draft round left)
+    a.observe(8, 0, 0, 8, 10e-3, True)
     assert 8 not in a.per_start[False] and a.starts == 6
-    a.observe(8, 0, 4, 8, 90e-3, True)  # plain starts 4 at once for 80 ms: 20 ms each
-    assert a.surcharge(8, 20) == pytest.approx(0.08 * 20 * 10 / 196)
+    a.observe(8, 0, 4, 8, 90e-3, True)  # plain starts 4 at once for 80 ms; the next step runs the other
+    a.observe(8, 4, 0, 20, 45e-3, True)  # mode, so its time is not theirs: 20 ms each
+    assert a.surcharge(8, 20) == pytest.approx(0.09 * 20 * 10 / 244)
     a.observe(8, 0, 1, 8, 5e-3, True)  # faster than steady: no negative extra
+    a.observe(8, 0, 0, 8, 10e-3, True)
     assert a.per_start[False][8] == pytest.approx(0.01)  # the median of 20 ms and 0
     a.observe(16, 4, 1, 20, 1.0, True)  # another bucket's steady step is untimed: no sample there
+    a.observe(16, 4, 0, 20, 1.0, True)
     assert 16 not in a.per_start[True] and a.surcharge(16, 20) == 0.0
     c.observe_step(16, 4, 20e-3, 15e-3, 1e-3)
-    a.observe(16, 4, 1, 20, 120e-3, True)  # 100 ms per start; plain's from the nearest bucket (8): 10 ms
+    a.observe(16, 4, 1, 20, 120e-3, True)  # 100 ms for one start; the next step starts one too, so its
+    a.observe(16, 4, 1, 20, 50e-3, True)  # time is its own: 100 ms; plain's from the nearest bucket, 10 ms
     assert a.surcharge(16, 20) == pytest.approx(0.09 * 20 * a.starts / a.tokens)
 
 
@@ -635,6 +642,37 @@ def test_a_rival_that_keeps_losing_its_refreshes_is_refreshed_less_often(monkeyp
     c = _timed_costs(true)
     chosen = _steady_run(SpeculationPolicy("adaptive", c, gate=False), c, lambda i, k: true[k], 1500)
     assert sum(k != 4 for k in chosen) / len(chosen) > 0.09
+
+
+def _refresh_through_unsampled_steps(steps: int = 190) -> list[int]:
+    """k chosen per step where k = 3's median is stale (5 ms; its steps now take 3 ms, k = 4's 4 ms) and
+    the first 6 steps at k = 3 are no cost samples (a run of starts: StepAccounting leaves them out)."""
+    true = {1: 9e-3, 2: 9e-3, 3: 3e-3, 4: 4e-3}
+    c = _timed_costs({**true, 3: 5e-3})
+    policy, batch, chosen, unsampled = SpeculationPolicy("adaptive", c, gate=False), reqs(1, alpha=0.8), [], 0
+    for _ in range(steps):
+        k = policy.choose(batch)
+        chosen.append(k)
+        if k == 3 and unsampled < 6:
+            unsampled += 1
+            continue
+        c.observe_step(1, k, true[k], verify=1e-3, draft_wait=0.0)
+    return chosen
+
+
+def test_a_refresh_whose_steps_are_no_samples_runs_on_until_one_is(monkeypatch):
+    """The refresh of k = 3 comes after REFRESH_AGE steps, runs through its 6 unsampled steps to a sample,
+    and k = 3 runs from then on. Power: a refresh of REFRESH_STEPS steps alone ends on the stale median,
+    and k = 4 runs until the next refresh, REFRESH_AGE steps later."""
+    chosen = _refresh_through_unsampled_steps()
+    first = chosen.index(3)
+    assert policy_module.REFRESH_AGE <= first <= policy_module.REFRESH_AGE + 2, first
+    assert chosen[first : first + 7] == [3] * 7
+    assert chosen[first:].count(3) / len(chosen[first:]) > 0.95, chosen
+    monkeypatch.setattr(policy_module, "REFRESH_MAX_STEPS", policy_module.REFRESH_STEPS)
+    capped = _refresh_through_unsampled_steps()
+    assert capped[first : first + policy_module.REFRESH_STEPS] == [3] * policy_module.REFRESH_STEPS
+    assert 3 not in capped[first + policy_module.REFRESH_STEPS : first + policy_module.REFRESH_AGE], capped
 
 
 def test_a_rival_that_grows_faster_is_found_within_the_longest_wait():

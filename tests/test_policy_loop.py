@@ -359,10 +359,11 @@ def test_one_gate_explores_at_a_time():
 
 
 def test_steps_that_start_or_finish_requests_are_no_gates_rate_nor_step_cost():
-    """A step that starts or finishes requests, and the BURST_SETTLE steps after a burst of them (a quarter
-    of the batch or more), count in neither gate's window nor in the policy's step costs: the host work of
-    first and last messages is every mode's and every k's: at B=64 such plain windows read 13.5-16 k tok/s
-    against 23-24 k and switched speculation on (and a run's tail rated its k worst)."""
+    """A step that starts or finishes requests, the step after a start (START_SETTLE) and the BURST_SETTLE
+    steps after a burst of them (a quarter of the batch or more), count in neither gate's window nor in the
+    policy's step costs: the host work of first and last messages is every mode's and every k's: at B=64
+    such plain windows read 13.5-16 k tok/s against 23-24 k and switched speculation on (and a run's tail
+    rated its k worst)."""
     from prometheus_client import CollectorRegistry
 
     from common.metrics import ServiceMetrics
@@ -370,7 +371,7 @@ def test_steps_that_start_or_finish_requests_are_no_gates_rate_nor_step_cost():
     from target_service.gate import _Window
     from target_service.runner import StepResult
     from target_service.scheduler import Scheduler
-    from target_service.step_accounting import BRANCH_SETTLE, BURST_SETTLE, StepReport
+    from target_service.step_accounting import BRANCH_SETTLE, BURST_SETTLE, START_SETTLE, StepReport
 
     metrics = ServiceMetrics("target", "churn", registry=CollectorRegistry())
     config = TargetConfig(model="none", max_batch_size=8, speculation_policy="adaptive")
@@ -398,17 +399,19 @@ def test_steps_that_start_or_finish_requests_are_no_gates_rate_nor_step_cost():
     assert counted() == (1, 1, 1)  # power: a steady step counts in all three
     assert sched.costs.step[bucket, 4] == pytest.approx(1e-3)
     assert counted(started=1) == (0, 0, 0)
+    assert [counted() for _ in range(START_SETTLE)] == [(0, 0, 0)] * START_SETTLE  # its work slows these
+    assert counted() == (1, 1, 1)
     assert counted(finished=1) == (0, 0, 0)
-    assert counted() == (1, 1, 1)  # one start or finish: that step only
+    assert counted() == (1, 1, 1)  # one finish: that step only
     assert counted(finished=2) == (0, 0, 0)  # a burst (2 of 8): it and the next BURST_SETTLE steps
     assert [counted() for _ in range(BURST_SETTLE)] == [(0, 0, 0)] * BURST_SETTLE
     assert counted() == (1, 1, 1)
 
 
 def test_verify_of_a_step_that_started_requests_is_no_verify_sample():
-    """A step that started requests waited in its verify for their prefills: its verify time is not a
-    verify sample: a run's first step can time width 5 at 107 ms, and k = 4 estimated from it and the
-    start-up timing is never chosen again."""
+    """A step that started requests waited in its verify for their prefills, and the next step's verify
+    still runs slower: neither verify time is a verify sample: a run's first step can time width 5 at
+    107 ms, and k = 4 estimated from it and the start-up timing is never chosen again."""
     from prometheus_client import CollectorRegistry
 
     from common.metrics import ServiceMetrics
@@ -425,6 +428,10 @@ def test_verify_of_a_step_that_started_requests_is_no_verify_sample():
         StepReport([object()], 5, StepResult([[1]], [0], 0.0), 1, marks=(0, 0, 0, 0.107, 0.108))
     )
     assert (bucket, 5) not in sched.costs.verify
+    sched.accounting.observe(
+        StepReport([object()], 5, StepResult([[1]], [0], 0.0), 0, marks=(0, 0, 0, 9e-3, 10e-3))
+    )
+    assert (bucket, 5) not in sched.costs.verify  # nor is the next one's: their work still slows it
     sched.accounting.observe(
         StepReport([object()], 5, StepResult([[1]], [0], 0.0), 0, marks=(0, 0, 0, 2e-3, 3e-3))
     )
