@@ -36,7 +36,7 @@ BURST_SETTLE = 2
 # 0.55-0.95 ms longer than a steady one's (Qwen2.5-Coder-1.5B on an H100, plain and speculative alike: at
 # 16 streams 3.3 against 2.6 ms at k = 4, 2.75 against 2.2 ms plain; step-trace medians). Counted, it
 # priced whichever k ran through a run of starts above the others: the adaptive policy then held k = 3 for
-# 200 steps where k = 4 yielded 11 % more per ms.
+# 203 of 495 steps where k = 4 yielded 11 % more per ms.
 START_SETTLE = 1
 # Unless every step churns: short requests at a high concurrency start or finish some in every step, and
 # the speculation gate would never complete a window there, leaving the mode the cost model chose for
@@ -92,7 +92,7 @@ class StepAccounting:
         self.plain_run = PLAIN_SETTLE  # at start the draft runs nothing
         self.spec_run = 0  # speculative steps in a row (the branch gate's settle)
         self.burst_settle = 0  # steps after a burst of starts or finishes that the gates do not count
-        self.started_last = 0  # requests the last step started
+        self.start_settle = 0  # steps that a recent start still slows (START_SETTLE)
         self.churned_run: collections.Counter = collections.Counter()  # bucket -> churned steps in a row
         # The ask for the next step is sent in this step's commit: its seconds are the next step's cost
         # (a plain step that precedes a speculative one would otherwise pay for it, and the last step of
@@ -149,9 +149,10 @@ class StepAccounting:
         t0, _, t2, t3, t4 = step.marks
         batch, width, result = len(step.batch), step.width, step.result
         emitted = sum(len(out) for out in result.tokens)
-        churned = self._churned(batch, step.started, step.finished)
-        # Requests started by this step or the one before: their work still slows this step's verify.
-        started_near, self.started_last = step.started + self.started_last, step.started
+        # A step that starts requests, and the START_SETTLE steps after it, run their work in the verify.
+        slowed = step.started > 0 or self.start_settle > 0
+        self.start_settle = START_SETTLE if step.started else max(0, self.start_settle - 1)
+        churned = self._churned(batch, step.started, step.finished) or slowed
         # While the policy rests (a draft that is never right, SpeculationPolicy.resting) a plain step
         # teaches the costs and gates nothing they are read for: skipping them keeps its host time a
         # plain target's.
@@ -161,7 +162,7 @@ class StepAccounting:
             wall = t4 - t0 - step.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = step.ask_seconds
             if not resting and not self._unsampled(width):
-                self._learn_costs(batch, width, wall, t3 - t2, churned, started_near)
+                self._learn_costs(batch, width, wall, t3 - t2, churned, slowed)
             if not resting:
                 steady = self._steady_mode(width)
                 self.admissions.observe(batch, width - 1, step.started, emitted, wall, steady)
@@ -199,14 +200,12 @@ class StepAccounting:
         return off and self.steps % OFF_SAMPLE_EVERY != 0
 
     def _churned(self, batch: int, started: int, finished: int) -> bool:
-        """Whether this step started or finished requests, or follows a burst of them (BURST_SETTLE) or a
-        start (START_SETTLE)."""
+        """Whether this step started or finished requests, or follows a burst of them (BURST_SETTLE)."""
         churn = started + finished
-        settling, self.burst_settle = self.burst_settle > 0, max(0, self.burst_settle - 1)
         if 4 * churn >= batch:
             self.burst_settle = BURST_SETTLE
-        elif started:
-            self.burst_settle = max(self.burst_settle, START_SETTLE)
+            return True
+        settling, self.burst_settle = self.burst_settle > 0, max(0, self.burst_settle - 1)
         return churn > 0 or settling
 
     def _feed_gates(
@@ -234,7 +233,7 @@ class StepAccounting:
                 self.branch_gate.observe(batch, emitted, wall)
 
     def _learn_costs(
-        self, batch: int, width: int, wall: float, verify: float, churned: bool, started: int
+        self, batch: int, width: int, wall: float, verify: float, churned: bool, slowed: bool
     ) -> None:
         """The step's costs for the adaptive policy. A plain step is a sample of k = 0 only when it
         waited for no ask (not a fallback after a late or empty answer), nor did the PLAIN_SETTLE steps
@@ -243,11 +242,11 @@ class StepAccounting:
         steps) hid in its wait. Neither is a sample when it started or finished requests (`_churned`):
         their first and last messages cost host time whatever k the step ran, and a tail's slow steps
         would rate the k of the moment worst. Nor is the verify of a step that started requests, or of the
-        step after it (`started`: their count), a verify sample: their prefills (the target's, and the
+        START_SETTLE steps after it (`slowed`), a verify sample: their prefills (the target's, and the
         draft's where it runs in this process) are queued on the GPU ahead of it and their work slows the
         next verify too, and one such sample can price a k out of the policy's choices for good."""
         session = self.session
-        if not started:
+        if not slowed:
             self.costs.observe_verify(batch, width, verify)
         plain = width == 1 and not session.last_asked
         self.plain_run = self.plain_run + 1 if plain else 0
