@@ -145,6 +145,7 @@ class DraftSession:
         # New requests were started without proposals since the last chained round (`ask` with warm): the
         # next verify chains a round for them even when no request verifies drafts.
         self.warmed = False
+        self.longest_verdict = 0  # tokens of the longest verdict in the latest message (_message)
 
     def chain(self, batch: list[Request], drafts: list[list[int]], packed, width: int) -> None:
         """With the draft in this process: its next round for the greedy requests that verified drafts
@@ -184,6 +185,8 @@ class DraftSession:
             req.draft.synced = -1
 
     def _message(self, want: list[Request], ks: dict[int, int]) -> draft_pb2.SpeculateRequest:
+        """The next message: releases, starts and verdicts of `want`, and the proposals `ks` asks for.
+        Sets `longest_verdict` (tokens of its longest verdict)."""
         self.step_no += 1
         msg = draft_pb2.SpeculateRequest(
             step=self.step_no,
@@ -192,33 +195,32 @@ class DraftSession:
             protocol_version=FEATURE_PROTOCOL,
         )
         self.releases = []
-        feature_rows = []  # (message part, slot, first position, end): features the draft lacks
+        # A draft in this process reads the features in the target's store: a start names its slot, a
+        # verdict needs none. Otherwise (part, slot, first position, end): features the draft lacks.
         reads_features = self.draft_reads_features()
+        in_place = reads_features and self.draft_in_process
+        feature_rows = []
+        # add() builds each part in the message (append() would copy it): at B=64 a third of the ask.
+        add_start, add_verdict = msg.starts.add, msg.verdicts.add
+        longest = 0
         for req in want:
-            d = req.draft
-            if d.synced < 0:
-                start = draft_pb2.DraftRequestStart(
-                    request_id=d.draft_id,
-                    token_ids=req.tokens,
-                    sampling=req.sampling,
-                    num_speculative_tokens=req.k,
-                )
-                msg.starts.append(start)
-                if reads_features:  # the message's own copy: append() copies
-                    feature_rows.append((msg.starts[-1], req.slot, 0, len(req.tokens) - 1))
-            elif d.synced < len(req.tokens):
-                verdict = draft_pb2.Verdict(
-                    request_id=d.draft_id,
-                    start=d.synced,
-                    token_ids=req.tokens[d.synced :],
-                    accepted=d.last_accepted,
-                )
-                msg.verdicts.append(verdict)
-                if reads_features:
-                    feature_rows.append(
-                        (msg.verdicts[-1], req.slot, max(d.synced - 1, 0), len(req.tokens) - 1)
-                    )
-            d.synced = len(req.tokens)
+            d, tokens = req.draft, req.tokens
+            synced, end = d.synced, len(tokens)
+            if synced < 0:
+                start = add_start(request_id=d.draft_id, token_ids=tokens, sampling=req.sampling,
+                                  num_speculative_tokens=req.k)  # fmt: skip
+                if in_place:
+                    start.target_slot = req.slot
+                elif reads_features:
+                    feature_rows.append((start, req.slot, 0, end - 1))
+            elif synced < end:
+                verdict = add_verdict(request_id=d.draft_id, start=synced, token_ids=tokens[synced:],
+                                      accepted=d.last_accepted)  # fmt: skip
+                longest = max(longest, end - synced)
+                if reads_features and not in_place:
+                    feature_rows.append((verdict, req.slot, max(synced - 1, 0), end - 1))
+            d.synced = end
+        self.longest_verdict = longest
         if feature_rows:
             self._attach_features(feature_rows)
         msg.propose.extend(ks)
@@ -243,14 +245,8 @@ class DraftSession:
         return self._feature_check[1]
 
     def _attach_features(self, rows: list) -> None:
-        """Each (start or verdict, slot, first, end) gets the features of positions first..end - 1: in this
-        process the slot (the draft reads the target's store in place), else bf16 bytes: views of the store
-        joined by one copy, read back once."""
-        if self.draft_in_process:
-            for part, slot, _, _ in rows:
-                if isinstance(part, draft_pb2.DraftRequestStart):
-                    part.target_slot = slot
-            return
+        """Each (start or verdict, slot, first, end) gets the features of positions first..end - 1 as bf16
+        bytes: views of the store joined by one copy, read back once."""
         data = self.features.data
         gathered = torch.cat([data[slot, first:end] for _, slot, first, end in rows])
         payload = to_wire(gathered)
@@ -309,8 +305,7 @@ class DraftSession:
         # An ask the chained round answers is held back on the draft's side (InProcessDraft.send).
         sent = link.send(msg, self.epoch, hold=True) if chained is not None else link.send(msg, self.epoch)
         if sent:
-            longest = max(ks.values()) + 1
-            steady = not msg.starts and all(len(v.token_ids) <= longest for v in msg.verdicts)
+            steady = not msg.starts and self.longest_verdict <= max(ks.values()) + 1
             self.inflight.append(Ask(msg.step, self.epoch, time.perf_counter(), ks, steady, chained))
         else:
             self.metrics.fallback_steps.inc()

@@ -49,6 +49,7 @@ SWITCH_ON_MIN_LEFT = 32
 # the time by chance, cost 3 % at one stream while the gate held it off by measurement. One step in
 # REPROBE_EVERY of such steps still speculates, so a draft that improves is seen.
 MIN_GAIN, REPROBE_EVERY = 0.05, 1024
+SERVICE_DECAY = 0.995  # per verdict, of the service's acceptance (SpecStats; a request's own: 0.98)
 NO_DRAFT = "draft not connected"  # why a target with a draft drafts nothing while its link is down
 # Why a step the batch allowed to speculate did not (policy.off_reason; GetModelInfo, the metrics, usage).
 COST_MEASURED = "draft cost exceeds expected gain (measured: plain steps were faster at this batch size)"
@@ -105,7 +106,11 @@ class SpeculationPolicy:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One request's verdict in a step (the service-wide acceptance behind every request's prior)."""
-        self.service.observe(drafted, accepted, decay=0.995)
+        self.service.observe(drafted, accepted, decay=SERVICE_DECAY)
+
+    def observe_all(self, drafted: list[int], accepted: list[int]) -> None:
+        """Every request's verdict in a step, in batch order (observe for each)."""
+        self.service.observe_all(drafted, accepted, decay=SERVICE_DECAY)
 
     def choose(self, batch: Sequence[Request]) -> int:
         """The step's k: each request r then drafts min(k, r.k) tokens."""

@@ -116,13 +116,14 @@ class StepAccounting:
         # One stream: the tokens expected at the service's acceptance before this verdict (the gate's)
         if len(drafts) == 1:
             self.expected = expected_tokens(self.policy.prior_alpha, len(drafts[0]))
-        for req, drafted, acc in zip(batch, drafts, accepted):
-            req.spec.observe(len(drafted), acc)
-            self.policy.observe(len(drafted), acc)
+        lengths = [len(d) for d in drafts]
+        self.policy.observe_all(lengths, accepted)
+        for req, n, acc in zip(batch, lengths, accepted):
+            req.spec.observe(n, acc)
             req.draft.last_accepted = acc
-            if drafted:
+            if n:
                 num_drafts += 1
-                num_drafted += len(drafted)
+                num_drafted += n
                 num_accepted += acc
                 at_position[acc] += 1
         if num_drafts:
