@@ -44,18 +44,26 @@ class StreamDetokenizer:
     sent_ids: int = 0
     sent_chars: int = 0
 
-    def _append(self, token: int) -> None:
+    def _append(self, new_ids: list[int]) -> None:
+        """Decodes `new_ids` onto the confirmed text, joined to it once: `text += chunk` per token would copy
+        the whole text per token (64 streams of 5 tokens a step, 4000 tokens in: 0.87 ms, not 0.60)."""
         assert self.tokenizer is not None
         if self.stream is None:
             self.stream = self.tokenizer.decode_stream()
-        self.ids.append(token)
-        chunk = self.stream.step(token)
-        if chunk is None:
-            return  # an incomplete character: wait for its next bytes
-        confirmed = len(self.char_end)
-        self.text += chunk
-        self.char_end += [len(self.text)] * (len(self.ids) - confirmed)
-        self.prefix = confirmed
+        step, ids, char_end = self.stream.step, self.ids, self.char_end
+        chunks, length = [], len(self.text)
+        for token in new_ids:
+            ids.append(token)
+            chunk = step(token)
+            if chunk is None:
+                continue  # an incomplete character: wait for its next bytes
+            confirmed = len(char_end)
+            length += len(chunk)
+            chunks.append(chunk)
+            char_end += [length] * (len(ids) - confirmed)
+            self.prefix = confirmed
+        if chunks:
+            self.text += "".join(chunks)
 
     def _held_suffix(self, text: str) -> int:
         """Characters at the end of `text` that might still become a stop string."""
@@ -73,8 +81,7 @@ class StreamDetokenizer:
             delta = Delta(self.ids[self.sent_ids :], "")
             self.sent_ids = len(self.ids)
             return delta
-        for token in new_ids:
-            self._append(token)
+        self._append(new_ids)
         text = self.text
         if self.stop_strings:
             search_from = max(0, self.sent_chars - max(len(s) for s in self.stop_strings))
