@@ -86,12 +86,17 @@ PROMPT_KINDS = {"chat": "general", "coding": "coding"}
 TARGET_SERIES = {
     "verify_sum": "specsplit_verify_step_seconds_sum",
     "verify_n": "specsplit_verify_step_seconds_count",
+    # a draft service's: the target's wait for its answer, and the draft's own part of it (handle)
+    "round_trip_sum": "specsplit_draft_round_trip_seconds_sum",
+    "round_trip_n": "specsplit_draft_round_trip_seconds_count",
 }
 DRAFT_SERIES = {
     "round_sum": "specsplit_draft_step_seconds_sum",
     "round_n": "specsplit_draft_step_seconds_count",
     "drafts": "specsplit_spec_drafts_total",
     "draft_tokens": "specsplit_spec_draft_tokens_total",
+    "handle_sum": "specsplit_draft_handle_seconds_sum",
+    "handle_n": "specsplit_draft_handle_seconds_count",
 }
 
 

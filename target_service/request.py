@@ -44,12 +44,7 @@ class SpecStats:
     trials: float = 0.0
 
     def observe(self, drafted: int, accepted: int, decay: float = 0.98) -> None:
-        self.steps += 1
-        self.drafted += drafted
-        self.accepted += accepted
-        if drafted:
-            self.successes = decay * self.successes + accepted
-            self.trials = decay * self.trials + accepted + (1 if accepted < drafted else 0)
+        self.observe_all([drafted], [accepted], decay)
 
     def observe_all(self, drafted: list[int], accepted: list[int], decay: float = 0.98) -> None:
         """observe() of each (drafted, accepted) in turn: a step's verdicts in one call."""
