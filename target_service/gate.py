@@ -32,7 +32,11 @@ class GateConfig:
 
 
 BRANCH_GATE = GateConfig()  # the draft's branches: both modes rated alike
-# Speculation must win by 8 %: its catch-ups and the requests it puts out of step cost outside its windows.
+# Speculation must win by 8 %: the requests it puts out of step cost outside its windows (their starts come
+# a few at a time, not in waves). Only while those starts are not priced: once AdmissionCosts has measured
+# them at the bucket, each steady speculative step carries their surcharge, and the handicap would count
+# them twice (H100 F, 64 streams: windows of k = 4 ahead of plain's by 10-40 % before either, the gate held
+# plain for 555 steps while fixed k = 4 gained 1.10x; ModeGate.observe's `priced`).
 # Not at one stream, where no request is put out of step and a catch-up comes only with a switch (in the
 # settle steps): with the handicap and the hysteresis a draft there had to win by 14 % to be switched on,
 # and SmolLM2-135M's feature draft, 1.12x plain at k = 4, ran plain.
@@ -50,6 +54,7 @@ class _Window:
     since: int = 0  # windows since the other mode was last tried
     every: int = 0  # windows between tries of the other mode (0: not yet set)
     trying: bool = False  # this window tries the other mode
+    unpriced: bool = False  # a counted step came without its starts priced (observe's `priced`)
 
 
 class ModeGate:
@@ -179,9 +184,13 @@ class ModeGate:
         every = max(1, self.explore_every // 4)
         self.state[bucket] = _Window(not w.on, windows=w.windows + 1, every=every)
 
-    def observe(self, batch: int, tokens: float, seconds: float, expected: float | None = None) -> None:
+    def observe(
+        self, batch: int, tokens: float, seconds: float, expected: float | None = None, priced: bool = False
+    ) -> None:
         """One step's output tokens and wall time, and the tokens it was expected to emit at the service's
-        acceptance (given at one stream only: StepAccounting._feed_gates). A window of the mode held is rated
+        acceptance (given at one stream only: StepAccounting._feed_gates). `priced`: the seconds include
+        what the requests the mode puts out of step cost (the admission surcharge): a window of the mode on
+        whose counted steps all were is rated without `on_handicap`. A window of the mode held is rated
         by the expected tokens; a try, by the emitted ones (its early end, by the expected). At one stream the
         draws of acceptance spread a 16-step window's emitted tokens by ~15 % (alpha 0.5, k = 4), more than a
         1.14x gain, and switched it off for half its steps; the expected ones have no such spread while
@@ -199,6 +208,7 @@ class ModeGate:
             w.tokens += (tokens if expected is None else expected) * bucket / batch
             w.emitted += tokens * bucket / batch
             w.seconds += min(seconds, self.config.stall_cap * self.step_seconds.get((bucket, w.on), seconds))
+            w.unpriced = w.unpriced or not priced
         if w.seconds <= 0:
             return
         key = (bucket, w.on)
@@ -263,9 +273,9 @@ class ModeGate:
         return held if held_rate >= (1.0 - margin) * other_rate else not held
 
     def _record(self, bucket: int, w: _Window) -> None:
-        """The ended window's rate (the mode on's handicapped): replaces one measured windows ago, else
-        smooths the last one's."""
-        handicap = self.on_handicap if w.on and bucket >= self.config.handicap_from else 0.0
+        """The ended window's rate (the mode on's handicapped unless its steps were priced): replaces one
+        measured windows ago, else smooths the last one's."""
+        handicap = self.on_handicap if w.on and w.unpriced and bucket >= self.config.handicap_from else 0.0
         key, rate = (bucket, w.on), (w.emitted if w.trying else w.tokens) / w.seconds * (1.0 - handicap)
         step = w.seconds / max(1, w.steps - self.settle)
         fresh = key not in self.rate or self.rated_at[key] < w.windows - 1

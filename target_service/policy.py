@@ -240,11 +240,13 @@ class SpeculationPolicy:
         """Steady steps before a refresh of k at this bucket, before any refresh of it there has ended."""
         return REFRESH_AGE if self.costs.timed(batch, k) else UNTIMED_AGE
 
-    def observe_step(self, batch: int, tokens: int, seconds: float, expected: float | None = None) -> None:
+    def observe_step(
+        self, batch: int, tokens: int, seconds: float, expected: float | None = None, priced: bool = False
+    ) -> None:
         """One step's output tokens, wall time and expected tokens (the gate's windows; not steps no request
-        could speculate in)."""
+        could speculate in); `priced`: as ModeGate.observe's."""
         if self.gated:
-            self.gate.observe(batch, tokens, seconds, expected)
+            self.gate.observe(batch, tokens, seconds, expected, priced)
 
     def explain(self, batch: Sequence[Request]) -> str:
         """Per k: the step seconds `choose` would use, the expected tokens and their ratio (the log)."""

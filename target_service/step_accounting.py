@@ -158,7 +158,7 @@ class StepAccounting:
         # teaches the costs and gates nothing they are read for: skipping them keeps its host time a
         # plain target's.
         resting = self.policy.resting and width == 1
-        surcharge = 0.0
+        surcharge: float | None = 0.0  # None: a steady speculative step whose starts are not priced yet
         if self.learn_costs:
             wall = t4 - t0 - step.ask_seconds + self.asked_seconds  # the step with the ask made for it
             self.asked_seconds = step.ask_seconds
@@ -210,10 +210,11 @@ class StepAccounting:
         return churn > 0 or settling
 
     def _feed_gates(
-        self, batch: int, width: int, emitted: int, wall: float, churned: bool, surcharge: float
+        self, batch: int, width: int, emitted: int, wall: float, churned: bool, surcharge: float | None
     ) -> None:
-        """`surcharge`: seconds the speculation gate adds to this speculative step (AdmissionCosts); the
-        branch gate compares speculative steps only, so it rates the step as it ran."""
+        """`surcharge`: seconds the speculation gate adds to this speculative step (AdmissionCosts; None: its
+        starts are not priced yet, and the gate's handicap stands in for them); the branch gate compares
+        speculative steps only, so it rates the step as it ran."""
         # One gate explores at a time (ModeGate.exploring).
         speculation_exploring = self.speculation_exploring(batch)
         branch_exploring = self.branch_gate is not None and width > 1 and self.branch_gate.exploring(batch)
@@ -225,7 +226,8 @@ class StepAccounting:
             # from two up they average over the requests, and the service's acceptance understates a
             # mixed batch's expected tokens (E is convex in alpha): Qwen2.5-Coder at 16 streams fell from
             # 1.41-1.44x to 1.33-1.35x plain with them.
-            self.policy.observe_step(batch, emitted, wall + surcharge, self.expected if batch == 1 else None)
+            expected, priced = self.expected if batch == 1 else None, surcharge is not None
+            self.policy.observe_step(batch, emitted, wall + (surcharge or 0.0), expected, priced)
         # Branches only change steady speculative steps: not plain ones, not the first ones after plain
         # steps (no branches yet, whether asked for or not), not one that starts or finishes requests.
         self.spec_run = self.spec_run + 1 if width > 1 else 0

@@ -276,12 +276,13 @@ class AdmissionCosts:
         if started and sample and steady is not None:
             self.open = (k > 0, b, max(0.0, wall - steady), started)
 
-    def surcharge(self, batch: int, emitted: int) -> float:
+    def surcharge(self, batch: int, emitted: int) -> float | None:
         """Seconds to add to a steady speculative step of `emitted` tokens: speculation's extra per start
-        over plain's times the starts those tokens bring. Plain's extra is this bucket's, else the nearest
-        bucket's, else taken as none (while speculation is held on, plain starts are rare)."""
+        over plain's times the starts those tokens bring; None while speculation's starts are not measured
+        at this bucket. Plain's extra is this bucket's, else the nearest bucket's, else taken as none (while
+        speculation is held on, plain starts are rare)."""
         speculative = self.per_start[True].get(self.costs.bucket(batch))
         if speculative is None or self.tokens <= 0.0:
-            return 0.0
+            return None
         plain = self.costs.nearest(self.per_start[False], batch) or 0.0
         return max(0.0, speculative - plain) * emitted * self.starts / self.tokens

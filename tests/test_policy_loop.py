@@ -200,8 +200,8 @@ def test_the_admission_surcharge_reaches_the_speculation_gate_alone(monkeypatch)
     acc = sched.accounting
     monkeypatch.setattr(AdmissionCosts, "surcharge", lambda self, batch, emitted: 0.25 * emitted)
     seen = {}
-    monkeypatch.setattr(type(sched.policy), "observe_step", lambda self, b, tokens, seconds, expected=None:
-                        seen.__setitem__("speculation", seconds))  # fmt: skip
+    monkeypatch.setattr(type(sched.policy), "observe_step", lambda self, b, tokens, seconds, expected=None,
+                        priced=False: seen.__setitem__("speculation", seconds))  # fmt: skip
     monkeypatch.setattr(type(acc.branch_gate), "observe", lambda self, b, tokens, seconds:
                         seen.__setitem__("branches", seconds))  # fmt: skip
     acc.spec_run = BRANCH_SETTLE + 1  # a steady speculative step, as the branch gate counts
