@@ -44,19 +44,18 @@ class SpecStats:
     trials: float = 0.0
 
     def observe(self, drafted: int, accepted: int, decay: float = 0.98) -> None:
-        self.observe_all([drafted], [accepted], decay)
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted:
+            self.successes = decay * self.successes + accepted
+            self.trials = decay * self.trials + accepted + (1 if accepted < drafted else 0)
 
     def observe_all(self, drafted: list[int], accepted: list[int], decay: float = 0.98) -> None:
         """observe() of each (drafted, accepted) in turn: a step's verdicts in one call."""
-        self.steps += len(drafted)
-        self.drafted += sum(drafted)
-        self.accepted += sum(accepted)
-        successes, trials = self.successes, self.trials
+        observe = self.observe
         for d, a in zip(drafted, accepted):
-            if d:
-                successes = decay * successes + a
-                trials = decay * trials + a + (1 if a < d else 0)
-        self.successes, self.trials = successes, trials
+            observe(d, a, decay)
 
     def alpha(self, prior: float) -> float:
         """Per-token acceptance estimate, pulled towards `prior` while few tokens were seen."""
