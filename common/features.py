@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.cuda_graphs import HostToDevice
 from common.kernels import fused
 
 # The Speculate protocol version whose starts and verdicts carry features (protos/specsplit/v1/draft.proto).
@@ -30,6 +31,8 @@ class FeatureStore:
         self.layers = tuple(layers)
         self.size = len(self.layers) * hidden_size
         self.data = torch.zeros(num_slots, max_len, self.size, dtype=dtype, device=device)
+        self._arrived = torch.empty(0, self.size, dtype=WIRE_DTYPE, device=device)  # put_many's landing rows
+        self._staging = HostToDevice(WIRE_DTYPE)
 
     def write_stream(
         self, slots: Tensor, positions: Tensor, j: int, x: Tensor, residual: Tensor | None
@@ -50,6 +53,23 @@ class FeatureStore:
     def put(self, slot: int, start: int, rows: Tensor) -> None:
         """rows [n, F] -> positions start..start + n - 1 of `slot`."""
         self.data[slot, start : start + rows.shape[0]] = rows.to(self.data.device, self.data.dtype)
+
+    def put_many(self, writes) -> None:
+        """writes: (slot, start, rows [n, F] in WIRE_DTYPE on the CPU), as `put` each, with one copy to the
+        device for all of them (a message's features) and no wait for it."""
+        writes = [w for w in writes if len(w[2])]
+        if not writes:
+            return
+        rows = torch.cat([w[2] for w in writes]) if len(writes) > 1 else writes[0][2]
+        if self._arrived.shape[0] < len(rows):
+            self._arrived = torch.empty(len(rows), self.size, dtype=WIRE_DTYPE, device=self.data.device)
+        arrived = self._arrived[: len(rows)]
+        self._staging.copy(rows, arrived)
+        at = 0
+        for slot, start, part in writes:
+            n = len(part)
+            self.data[slot, start : start + n] = arrived[at : at + n]
+            at += n
 
 
 def to_wire(rows: Tensor) -> bytes:

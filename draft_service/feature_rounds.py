@@ -46,9 +46,8 @@ class FeatureRounds(GreedyRounds):
         self.slot_map[slot] = store_slot
 
     def write(self, writes) -> None:
-        """writes: (slot, first position, rows [n, F] on any device) in arrival order."""
-        for slot, start, rows in writes:
-            self.features.put(slot, start, rows)
+        """writes: (slot, first position, rows [n, F] of wire features on the CPU) in arrival order."""
+        self.features.put_many(writes)
 
     def _feed(self, ids, pos, slots, ctx):
         """ids/pos [B, W], slots [B]: the committed tokens with the target's features -> (hidden, aux)."""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from common.batch import pack
-from common.cuda_graphs import StaticStep, buckets, capture
+from common.cuda_graphs import HostToDevice, StaticStep, buckets, capture
 from common.distributed import add_comm_stats
 from common.kernels.fused import eager_shapes
 
@@ -92,6 +92,7 @@ class GreedyRounds:
         self.misses: dict[tuple[int, int, int, int], int] = {}
         self.eager_rounds = self.serving_captures = 0  # rounds with no graph: run eagerly, captured
         self.inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.staging = HostToDevice(torch.int64)  # a round's inputs, in one copy (`run`)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # Catch-ups are requests' own rows (never branch rows): batch buckets up to max_batch.
         self.catch_up = StaticStep(self._catch_up_forward, max_batch, runner.max_len, self.scratch_slot,
@@ -105,19 +106,28 @@ class GreedyRounds:
         """ids/pos [B, W], slots [B]: writes the KV of the tokens (the hidden states are not needed)."""
         return self.runner.model(ids, pos, slots, self.runner.cache, ctx)
 
+    # A round's inputs, in this order, are views of one flat buffer that `run` fills with one copy.
+    INPUTS = ("input_ids", "positions", "slots", "last_index", "prefix_slots", "prefix_len")
+
     def _static(self, batch: int, width: int) -> dict[str, torch.Tensor]:
+        """input_ids/positions [batch, width], slots/last_index/prefix_slots/prefix_len [batch] (branch rows:
+        positions < prefix_len come from prefix_slots; the row's own slot only where 0), and "flat", the
+        buffer they view."""
         key = (batch, width)
         if key not in self.inputs:
-            dev = self.device
-            self.inputs[key] = {
-                "input_ids": torch.zeros(batch, width, dtype=torch.int64, device=dev),
-                "positions": torch.arange(width, device=dev).repeat(batch, 1),
-                "slots": torch.full((batch,), self.scratch_slot, dtype=torch.int64, device=dev),
-                "last_index": torch.zeros(batch, dtype=torch.int64, device=dev),
-                # Branch rows: positions < prefix_len come from prefix_slots (0: the row's own slot only).
-                "prefix_slots": torch.full((batch,), self.scratch_slot, dtype=torch.int64, device=dev),
-                "prefix_len": torch.zeros(batch, dtype=torch.int64, device=dev),
+            m = batch * width
+            flat = torch.zeros(2 * m + 4 * batch, dtype=torch.int64, device=self.device)
+            x = {
+                "flat": flat,
+                "input_ids": flat[:m].view(batch, width),
+                "positions": flat[m : 2 * m].view(batch, width),
             }
+            for i, name in enumerate(self.INPUTS[2:]):
+                x[name] = flat[2 * m + i * batch : 2 * m + (i + 1) * batch]
+            x["positions"].copy_(torch.arange(width, device=self.device).repeat(batch, 1))
+            x["slots"].fill_(self.scratch_slot)
+            x["prefix_slots"].fill_(self.scratch_slot)
+            self.inputs[key] = x
         return self.inputs[key]
 
     def round(self, x: dict[str, torch.Tensor], k: int, ctx: int) -> torch.Tensor:
@@ -246,12 +256,7 @@ class GreedyRounds:
             + prefix_slots + [self.scratch_slot] * pad + prefix_len + [0] * pad,
             dtype=torch.int64,
         )  # fmt: skip
-        flat = host.to(self.device, non_blocking=True)
-        m = padded * width
-        static["input_ids"].view(-1).copy_(flat[:m])
-        static["positions"].view(-1).copy_(flat[m : 2 * m])
-        for i, name in enumerate(("slots", "last_index", "prefix_slots", "prefix_len")):
-            static[name].copy_(flat[2 * m + i * padded : 2 * m + (i + 1) * padded])
+        self.staging.copy(host, static["flat"])
         out = self._replay(static, padded, width, k, ctx, ctx_needed)[:n].tolist()
         if not r.top2:
             return out, None

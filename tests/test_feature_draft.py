@@ -133,6 +133,30 @@ def test_features_round_trip_the_wire_and_store() -> None:
     assert torch.equal(prev[0, 2], prev[0, 1])
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_messages_features_land_in_one_copy_as_each_write_would(device) -> None:
+    """put_many (a draft service's features of one message: one copy to the device through a reused
+    page-locked buffer on the GPU) stores exactly what one put per write stores, message after message."""
+    many = FeatureStore((0, 2), 6, num_slots=3, max_len=16, dtype=torch.float32, device=device)
+    each = FeatureStore((0, 2), 6, num_slots=3, max_len=16, dtype=torch.float32, device=device)
+    torch.manual_seed(0)
+    messages = [
+        [(1, 0, torch.randn(5, 12)), (2, 3, torch.randn(2, 12)), (0, 7, torch.randn(0, 12))],
+        [(1, 5, torch.randn(3, 12))],  # the next message reuses the buffers
+        [(2, 5, torch.randn(9, 12)), (1, 8, torch.randn(1, 12))],  # more rows than before: they grow
+    ]
+    for writes in messages:
+        wire = [(slot, start, from_wire(to_wire(rows), 12, "features")) for slot, start, rows in writes]
+        many.put_many(wire)
+        for slot, start, rows in wire:
+            each.put(slot, start, rows)
+        assert torch.equal(many.data, each.data)
+    assert many.data.abs().sum() > 0
+
+
 def test_checkpoint_holds_the_draft_layer_and_reads_the_rest_from_the_target(pair) -> None:
     target_dir, draft_dir, _ = pair
     draft = load_model(draft_dir, Comm())
