@@ -65,7 +65,8 @@ class HostToDevice:
         if self.copied is not None:
             self.copied.synchronize()  # the buffer is rewritten only once the last copy has read it
         if self.buffer is None or self.buffer.numel() < n:
-            self.buffer = torch.empty(max(n, 1024), dtype=self.dtype, pin_memory=True)
+            grown = max(n, 1024, 2 * (0 if self.buffer is None else self.buffer.numel()))
+            self.buffer = torch.empty(grown, dtype=self.dtype, pin_memory=True)
             self.copied = torch.cuda.Event()
         host = self.buffer[:n]
         host.copy_(values.reshape(-1))

@@ -50,19 +50,17 @@ class FeatureStore:
         rows = self.data[slots[:, None], prev.clamp(min=0)]
         return rows * (prev >= 0).unsqueeze(-1).to(rows.dtype)
 
-    def put(self, slot: int, start: int, rows: Tensor) -> None:
-        """rows [n, F] -> positions start..start + n - 1 of `slot`."""
-        self.data[slot, start : start + rows.shape[0]] = rows.to(self.data.device, self.data.dtype)
-
     def put_many(self, writes) -> None:
-        """writes: (slot, start, rows [n, F] in WIRE_DTYPE on the CPU), as `put` each, with one copy to the
-        device for all of them (a message's features) and no wait for it."""
+        """writes: (slot, start, rows [n, F] in WIRE_DTYPE on the CPU): each write's rows to positions
+        start..start + n - 1 of its slot, with one copy to the device for all of them (a message's
+        features) and no wait for it."""
         writes = [w for w in writes if len(w[2])]
         if not writes:
             return
         rows = torch.cat([w[2] for w in writes]) if len(writes) > 1 else writes[0][2]
         if self._arrived.shape[0] < len(rows):
-            self._arrived = torch.empty(len(rows), self.size, dtype=WIRE_DTYPE, device=self.data.device)
+            grown = max(len(rows), 2 * self._arrived.shape[0])
+            self._arrived = torch.empty(grown, self.size, dtype=WIRE_DTYPE, device=self.data.device)
         arrived = self._arrived[: len(rows)]
         self._staging.copy(rows, arrived)
         at = 0

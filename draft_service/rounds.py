@@ -106,28 +106,22 @@ class GreedyRounds:
         """ids/pos [B, W], slots [B]: writes the KV of the tokens (the hidden states are not needed)."""
         return self.runner.model(ids, pos, slots, self.runner.cache, ctx)
 
-    # A round's inputs, in this order, are views of one flat buffer that `run` fills with one copy.
-    INPUTS = ("input_ids", "positions", "slots", "last_index", "prefix_slots", "prefix_len")
-
     def _static(self, batch: int, width: int) -> dict[str, torch.Tensor]:
         """input_ids/positions [batch, width], slots/last_index/prefix_slots/prefix_len [batch] (branch rows:
-        positions < prefix_len come from prefix_slots; the row's own slot only where 0), and "flat", the
-        buffer they view."""
+        positions < prefix_len come from prefix_slots; the row's own slot only where 0), all views of
+        "flat" in that order, which `run` fills with one copy."""
         key = (batch, width)
         if key not in self.inputs:
             m = batch * width
             flat = torch.zeros(2 * m + 4 * batch, dtype=torch.int64, device=self.device)
-            x = {
-                "flat": flat,
-                "input_ids": flat[:m].view(batch, width),
-                "positions": flat[m : 2 * m].view(batch, width),
-            }
-            for i, name in enumerate(self.INPUTS[2:]):
-                x[name] = flat[2 * m + i * batch : 2 * m + (i + 1) * batch]
-            x["positions"].copy_(torch.arange(width, device=self.device).repeat(batch, 1))
-            x["slots"].fill_(self.scratch_slot)
-            x["prefix_slots"].fill_(self.scratch_slot)
-            self.inputs[key] = x
+            ids, pos, rest = flat[:m].view(batch, width), flat[m : 2 * m].view(batch, width), flat[2 * m :]
+            slots, last_index, prefix_slots, prefix_len = rest.view(4, batch)
+            pos.copy_(torch.arange(width, device=self.device).repeat(batch, 1))
+            slots.fill_(self.scratch_slot)
+            prefix_slots.fill_(self.scratch_slot)
+            self.inputs[key] = {"flat": flat, "input_ids": ids, "positions": pos, "slots": slots,
+                                "last_index": last_index, "prefix_slots": prefix_slots,
+                                "prefix_len": prefix_len}  # fmt: skip
         return self.inputs[key]
 
     def round(self, x: dict[str, torch.Tensor], k: int, ctx: int) -> torch.Tensor:

@@ -35,8 +35,7 @@ BRANCH_GATE = GateConfig()  # the draft's branches: both modes rated alike
 # Speculation must win by 8 %: the requests it puts out of step cost outside its windows (their starts come
 # a few at a time, not in waves). Only while those starts are not priced: once AdmissionCosts has measured
 # them at the bucket, each steady speculative step carries their surcharge, and the handicap would count
-# them twice (H100 F, 64 streams: windows of k = 4 ahead of plain's by 10-40 % before either, the gate held
-# plain for 555 steps while fixed k = 4 gained 1.10x; ModeGate.observe's `priced`).
+# them twice (ModeGate.observe's `priced`; architecture.md, "Why the speculation gate has its margins").
 # Not at one stream, where no request is put out of step and a catch-up comes only with a switch (in the
 # settle steps): with the handicap and the hysteresis a draft there had to win by 14 % to be switched on,
 # and SmolLM2-135M's feature draft, 1.12x plain at k = 4, ran plain.

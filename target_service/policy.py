@@ -104,12 +104,9 @@ class SpeculationPolicy:
         policy reads no cost sample or gate window before it tries speculation again."""
         return self.off_reason == LOW_ACCEPTANCE
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One request's verdict in a step (the service-wide acceptance behind every request's prior)."""
-        self.service.observe(drafted, accepted, decay=SERVICE_DECAY)
-
-    def observe_all(self, drafted: list[int], accepted: list[int]) -> None:
-        """Every request's verdict in a step, in batch order (observe for each)."""
+    def observe(self, drafted: list[int], accepted: list[int]) -> None:
+        """A step's verdicts, drafted and accepted tokens per request in batch order (the service-wide
+        acceptance behind every request's prior)."""
         self.service.observe_all(drafted, accepted, decay=SERVICE_DECAY)
 
     def choose(self, batch: Sequence[Request]) -> int:

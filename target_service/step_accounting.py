@@ -117,7 +117,7 @@ class StepAccounting:
         if len(drafts) == 1:
             self.expected = expected_tokens(self.policy.prior_alpha, len(drafts[0]))
         lengths = [len(d) for d in drafts]
-        self.policy.observe_all(lengths, accepted)
+        self.policy.observe(lengths, accepted)
         for req, n, acc in zip(batch, lengths, accepted):
             req.spec.observe(n, acc)
             req.draft.last_accepted = acc

@@ -139,7 +139,8 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_messages_features_land_in_one_copy_as_each_write_would(device) -> None:
     """put_many (a draft service's features of one message: one copy to the device through a reused
-    page-locked buffer on the GPU) stores exactly what one put per write stores, message after message."""
+    page-locked buffer on the GPU) stores exactly what each write's rows stored in turn would, message
+    after message."""
     many = FeatureStore((0, 2), 6, num_slots=3, max_len=16, dtype=torch.float32, device=device)
     each = FeatureStore((0, 2), 6, num_slots=3, max_len=16, dtype=torch.float32, device=device)
     torch.manual_seed(0)
@@ -152,7 +153,7 @@ def test_a_messages_features_land_in_one_copy_as_each_write_would(device) -> Non
         wire = [(slot, start, from_wire(to_wire(rows), 12, "features")) for slot, start, rows in writes]
         many.put_many(wire)
         for slot, start, rows in wire:
-            each.put(slot, start, rows)
+            each.data[slot, start : start + len(rows)] = rows.to(device, torch.float32)
         assert torch.equal(many.data, each.data)
     assert many.data.abs().sum() > 0
 

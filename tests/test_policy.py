@@ -259,7 +259,7 @@ def test_new_requests_start_from_the_service_acceptance():
     policy = SpeculationPolicy("adaptive", c, gate=False)
     assert policy.choose(reqs(1)) == 4  # prior 0.7: worth it
     for _ in range(200):  # the draft rarely agrees
-        policy.observe(drafted=4, accepted=0)
+        policy.observe([4], [0])
     assert policy.prior_alpha < 0.1
     assert policy.choose(reqs(1)) == 0  # a fresh request does not re-learn that
 
@@ -273,13 +273,13 @@ def test_a_draft_that_is_never_right_costs_no_tries():
     policy = SpeculationPolicy("adaptive", c)
     assert policy.choose(reqs(16)) > 0  # prior 0.7: measure a wider step
     for _ in range(2000):
-        policy.observe(drafted=4, accepted=0)
+        policy.observe([4], [0])
     chosen = [policy.choose(reqs(16)) for _ in range(2 * policy_module.REPROBE_EVERY)]
     assert chosen.count(0) == len(chosen) - 2 and sum(k > 0 for k in chosen) == 2, sorted(set(chosen))
     assert policy.choose(reqs(16)) == 0 and policy.off_reason == policy_module.LOW_ACCEPTANCE
     # Power: a draft right half the time is measured at once.
     for _ in range(2000):
-        policy.observe(drafted=2, accepted=1)
+        policy.observe([2], [1])
     assert policy.choose(reqs(16)) > 0
 
 
@@ -291,7 +291,7 @@ def test_a_draft_right_by_chance_rests():
         c.observe_verify(1, 1, 1e-3)
         policy = SpeculationPolicy("adaptive", c)
         for i in range(3000):
-            policy.observe(drafted=4, accepted=1 if i % accepted_every == 0 else 0)
+            policy.observe([4], [1 if i % accepted_every == 0 else 0])
         return policy
 
     chance = alpha_after(32)  # one success in 33 trials: alpha 0.03
@@ -975,7 +975,7 @@ def _near_tie_share(seed: int, steps: int = 5000, alpha: float = 0.657, batch: i
         for r in running:
             accepted = next((i for i in range(k) if rng.random() >= alpha), k)
             r.spec.observe(k, accepted)
-            policy.observe(k, accepted)
+            policy.observe([k], [accepted])
             emitted += accepted + 1
         c.observe_verify(batch, k + 1, verify)
         plain_run = plain_run + 1 if k == 0 else 0

@@ -654,7 +654,7 @@ def _k4_share_through_starts(seed: int, steps: int = 4000, alpha: float = 0.657,
         for r in running:
             accepted = next((i for i in range(k) if rng.random() >= alpha), k)
             r.spec.observe(k, accepted)
-            accounting.policy.observe(k, accepted)
+            accounting.policy.observe([k], [accepted])
             tokens.append([1] * (accepted + 1))
         sched.session.last_wait_steady, sched.session.last_asked = True, k > 0
         wall, verify = NEAR_TIE_MS[k] * 1e-3 * noise, (1.6 + 0.15 * (k + 1)) * 1e-3 * noise
