@@ -160,11 +160,17 @@ def test_slow_draft_under_churn_without_the_starvation_rule_stays_speculative(mo
 LEARNING = 160
 
 
-def speculative_share_with_starts(start_seconds: float) -> float:
-    runner = timed_runner(0.6, 10e-3, 1e-3, buckets=(1, 2, 4, 8))
-    run(8, 60, None, 4, runner, SimulatedDraft(1e-3, start_seconds), policy="adaptive", requests=128)
-    widths = runner.widths[LEARNING:]
-    return sum(w > 1 for w in widths) / len(widths)
+def speculative_share_with_starts(start_seconds: float, runs: int = 3) -> float:
+    """The median over `runs` independent serving runs of the share of speculative steps past LEARNING: a
+    gate window that a stall on the busy test machine rates wrong holds the gate 16 windows in the worse
+    mode and can lift one run's share of 0.04-0.12 at costly starts past 0.15, as median_share explains."""
+    shares = []
+    for _ in range(runs):
+        runner = timed_runner(0.6, 10e-3, 1e-3, buckets=(1, 2, 4, 8))
+        run(8, 60, None, 4, runner, SimulatedDraft(1e-3, start_seconds), policy="adaptive", requests=128)
+        widths = runner.widths[LEARNING:]
+        shares.append(sum(w > 1 for w in widths) / len(widths))
+    return sorted(shares)[runs // 2]
 
 
 def test_speculation_whose_starts_cost_more_than_it_wins_settles_on_plain():
