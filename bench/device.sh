@@ -25,6 +25,8 @@
 #   bench/device.sh qwen-bench [pair_bench flags] Qwen2.5-Coder-1.5B + its feature draft (in the target,
 #                                                 as a service), the 0.5B classic draft, never-right:
 #                                                 bench/pair_bench.py on coding prompts (CONFIGS, BATCHES)
+#   MPS=1 bench/device.sh VERB ...                the verb's processes on the GPU through NVIDIA's
+#                                                 Multi-Process Service (one context, no time-slicing)
 #
 # What the machine needs from here (the device tool's `carry`):
 #   .whl/   wheels the GPU image lacks, installed into $SITE when their module is missing there:
@@ -53,7 +55,7 @@ export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_ME
 mkdir -p "$OUT"
 
 usage() {
-  sed -n '2,25p' "$0" | cut -c3-
+  sed -n '2,29p' "$0" | cut -c3-
   exit 2
 }
 
@@ -420,6 +422,22 @@ PY
   (cd "$d" && tar czf "$OUT/admission.tgz" ./*-steps.jsonl)
 }
 
+# MPS=1: the verb's processes share the GPU through NVIDIA's Multi-Process Service, one context for all, so
+# a target and a draft service on one GPU do not time-slice between two contexts. The daemon runs from
+# pipe and log folders of its own under /tmp and is stopped after the verb; the card's settings (compute
+# mode) are left as they are. Its log's tail (the clients it served) goes to $OUT/mps.txt.
+with_mps() {
+  command -v nvidia-cuda-mps-control >/dev/null || { echo "MPS=1: no nvidia-cuda-mps-control here"; return 6; }
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d || { echo "MPS=1: the MPS daemon did not start"; return 6; }
+  "$@"
+  local rc=$?
+  echo quit | nvidia-cuda-mps-control
+  tail -n 20 "$CUDA_MPS_LOG_DIRECTORY"/*.log > "$OUT/mps.txt" 2>&1
+  return "$rc"
+}
+
 verb=${1:-}
 shift || true
 case $verb in
@@ -427,7 +445,7 @@ case $verb in
   wheels) install_wheels ;;
   e2e | real | kernels | profile | tests | sweep | train | feature-train | feature | profile-feature | admission | qwen-train | qwen-bench)
     install_wheels || exit 5
-    "$verb" "$@"
+    if [[ ${MPS:-0} == 1 ]]; then with_mps "$verb" "$@"; else "$verb" "$@"; fi
     ;;
   *) usage ;;
 esac

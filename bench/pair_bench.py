@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -256,7 +257,9 @@ def run(args) -> dict:
     never = never_right(draft, work / "never") if "never" in args.configs else None
     t0 = time.monotonic()
     configs = start_configs(args, draft, never, work)
-    report = {"args": vars(args), "prompts": count, "startup_s": round(time.monotonic() - t0, 1), "runs": {}}
+    report = {"args": vars(args), "prompts": count, "startup_s": round(time.monotonic() - t0, 1), "runs": {},
+              # every process on the GPU through NVIDIA's Multi-Process Service (bench/device.sh MPS=1)
+              "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))}  # fmt: skip
     print(f"{len(configs)} targets ready in {report['startup_s']} s", flush=True)
     try:
         for cfg in configs.values():  # warm-up: graphs, the adaptive policy's first step costs; not recorded

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import gguf_chunks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,3 +96,47 @@ def test_device_tree_moves_unneeded_draft_weights_aside_and_back(tmp_path):
     run = subprocess.run(["bash", script, "back"], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
+
+
+def _mps_env(tmp_path, calls: Path) -> tuple[Path, dict]:
+    """A device tree, and an environment whose PY records the bench script's view of MPS in `calls`
+    (running nothing on a GPU) and runs Python for the rest."""
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "bench", tree / "bench")
+    py = tmp_path / "py"
+    record = f'echo "verb $CUDA_MPS_PIPE_DIRECTORY" >> {calls}; exit 0'
+    py.write_text(f'#!/bin/sh\ncase "$1" in bench/*) {record};; esac\nexec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    env = {**os.environ, "PY": str(py), "MPS": "1", "OUT": str(tmp_path / "out")}
+    env["SITE"] = str(tmp_path / "site")
+    return tree, env
+
+
+def _kernels(tree: Path, env: dict) -> subprocess.CompletedProcess:
+    command = ["bash", "bench/device.sh", "kernels"]
+    return subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+
+
+def test_mps_runs_the_verb_under_a_daemon_started_before_and_stopped_after(tmp_path):
+    calls = tmp_path / "calls"
+    tree, env = _mps_env(tmp_path, calls)
+    control = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    control.parent.mkdir()
+    daemon = f'echo "daemon $CUDA_MPS_PIPE_DIRECTORY" >> {calls}'
+    control.write_text(f'#!/bin/sh\nif [ "$1" = -d ]; then {daemon}; else cat >> {calls}; fi\n')
+    control.chmod(0o755)
+    env["PATH"] = f"{control.parent}:{env['PATH']}"
+    run = _kernels(tree, env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert calls.read_text().splitlines() == ["daemon /tmp/mps-pipe", "verb /tmp/mps-pipe", "quit"]
+
+
+def test_mps_without_its_control_program_stops_before_the_verb(tmp_path):
+    if shutil.which("nvidia-cuda-mps-control"):
+        pytest.skip("this machine has MPS")
+    calls = tmp_path / "calls"
+    tree, env = _mps_env(tmp_path, calls)
+    run = _kernels(tree, env)
+    assert run.returncode == 6
+    assert "nvidia-cuda-mps-control" in run.stdout
+    assert not calls.exists()  # the verb never ran
