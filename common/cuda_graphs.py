@@ -46,32 +46,12 @@ def capture(fn: Callable[[], Any], device: torch.device, pool) -> tuple[torch.cu
     return graph, out, per_replay
 
 
-class HostToDevice:
-    """Values from the host into a device tensor in one asynchronous copy through a reused page-locked
-    buffer (on the CPU: a plain copy). A copy from pageable memory would wait for the device to take the
-    bytes, and each small copy costs its own call: a draft service's round paid both several times."""
-
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
-        self.buffer: Tensor | None = None
-        self.copied: torch.cuda.Event | None = None  # recorded after the last copy out of the buffer
-
-    def copy(self, values: Tensor, out: Tensor) -> None:
-        """values (on the CPU, as many elements as `out`) -> out (contiguous), without waiting for it."""
-        if out.device.type != "cuda":
-            out.copy_(values.reshape(out.shape))
-            return
-        n = values.numel()
-        if self.copied is not None:
-            self.copied.synchronize()  # the buffer is rewritten only once the last copy has read it
-        if self.buffer is None or self.buffer.numel() < n:
-            grown = max(n, 1024, 2 * (0 if self.buffer is None else self.buffer.numel()))
-            self.buffer = torch.empty(grown, dtype=self.dtype, pin_memory=True)
-            self.copied = torch.cuda.Event()
-        host = self.buffer[:n]
-        host.copy_(values.reshape(-1))
-        out.view(-1).copy_(host, non_blocking=True)
-        self.copied.record()
+def copy_from_host(out: Tensor, values: Tensor) -> None:
+    """values (on the CPU, as many elements as `out`) -> out (contiguous), without waiting for it. On a GPU
+    the bytes go through page-locked memory from PyTorch's caching host allocator, which reuses a block
+    only once the copy that read it is done; a copy from pageable memory would wait for the device."""
+    src = values.reshape(-1)
+    out.view(-1).copy_(src.pin_memory() if out.is_cuda else src, non_blocking=True)
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:

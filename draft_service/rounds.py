@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from common.batch import pack
-from common.cuda_graphs import HostToDevice, StaticStep, buckets, capture
+from common.cuda_graphs import StaticStep, buckets, capture, copy_from_host
 from common.distributed import add_comm_stats
 from common.kernels.fused import eager_shapes
 
@@ -92,7 +92,6 @@ class GreedyRounds:
         self.misses: dict[tuple[int, int, int, int], int] = {}
         self.eager_rounds = self.serving_captures = 0  # rounds with no graph: run eagerly, captured
         self.inputs: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self.staging = HostToDevice(torch.int64)  # a round's inputs, in one copy (`run`)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # Catch-ups are requests' own rows (never branch rows): batch buckets up to max_batch.
         self.catch_up = StaticStep(self._catch_up_forward, max_batch, runner.max_len, self.scratch_slot,
@@ -250,7 +249,7 @@ class GreedyRounds:
             + prefix_slots + [self.scratch_slot] * pad + prefix_len + [0] * pad,
             dtype=torch.int64,
         )  # fmt: skip
-        self.staging.copy(host, static["flat"])
+        copy_from_host(static["flat"], host)
         out = self._replay(static, padded, width, k, ctx, ctx_needed)[:n].tolist()
         if not r.top2:
             return out, None

@@ -138,16 +138,15 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_messages_features_land_in_one_copy_as_each_write_would(device) -> None:
-    """put_many (a draft service's features of one message: one copy to the device through a reused
-    page-locked buffer on the GPU) stores exactly what each write's rows stored in turn would, message
-    after message."""
+    """put_many (a draft service's features of one message: one copy to the device, through page-locked
+    memory on the GPU) stores exactly what each write's rows stored in turn would, message after message."""
     many = FeatureStore((0, 2), 6, num_slots=3, max_len=16, dtype=torch.float32, device=device)
     each = FeatureStore((0, 2), 6, num_slots=3, max_len=16, dtype=torch.float32, device=device)
     torch.manual_seed(0)
     messages = [
         [(1, 0, torch.randn(5, 12)), (2, 3, torch.randn(2, 12)), (0, 7, torch.randn(0, 12))],
-        [(1, 5, torch.randn(3, 12))],  # the next message reuses the buffers
-        [(2, 5, torch.randn(9, 12)), (1, 8, torch.randn(1, 12))],  # more rows than before: they grow
+        [(1, 5, torch.randn(3, 12))],  # one write
+        [(2, 5, torch.randn(9, 12)), (1, 8, torch.randn(1, 12))],  # more rows than the first message
     ]
     for writes in messages:
         wire = [(slot, start, from_wire(to_wire(rows), 12, "features")) for slot, start, rows in writes]

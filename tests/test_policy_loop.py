@@ -7,7 +7,9 @@ The simulated costs are ones measured on two GPUs with both services at TP=2: a 
 from __future__ import annotations
 
 import random
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -26,15 +28,21 @@ def speculative_share(alpha: float, per_position: float, tokens: int = 400) -> t
     return sum(w > 1 for w in runner.widths), len(runner.widths)
 
 
-def median_share(alpha: float, per_position: float, runs: int = 3) -> float:
-    """The median over `runs` independent requests of the share of speculative steps: one window that a
-    stall on the busy test machine rates wrong holds the gate 16 windows (256 steps) in the worse mode,
-    most of one 400-token request, so a single run measures the machine as much as the policy."""
-    shares = []
-    for _ in range(runs):
+def median_of_runs(share: Callable[[], float], runs: int = 3) -> float:
+    """The median of `share()` over `runs` independent serving runs: one gate window that a stall on the
+    busy test machine rates wrong holds the gate 16 windows (256 steps) in the worse mode, most of one
+    400-token request, so a single run measures the machine as much as the policy."""
+    return statistics.median(share() for _ in range(runs))
+
+
+def median_share(alpha: float, per_position: float) -> float:
+    """The median over three runs of one request's share of speculative steps (`speculative_share`)."""
+
+    def share() -> float:
         speculative, steps = speculative_share(alpha, per_position)
-        shares.append(speculative / steps)
-    return sorted(shares)[runs // 2]
+        return speculative / steps
+
+    return median_of_runs(share)
 
 
 def test_adaptive_stops_speculating_where_it_loses():
@@ -160,17 +168,17 @@ def test_slow_draft_under_churn_without_the_starvation_rule_stays_speculative(mo
 LEARNING = 160
 
 
-def speculative_share_with_starts(start_seconds: float, runs: int = 3) -> float:
-    """The median over `runs` independent serving runs of the share of speculative steps past LEARNING: a
-    gate window that a stall on the busy test machine rates wrong holds the gate 16 windows in the worse
-    mode and can lift one run's share of 0.04-0.12 at costly starts past 0.15, as median_share explains."""
-    shares = []
-    for _ in range(runs):
+def speculative_share_with_starts(start_seconds: float) -> float:
+    """The median over three serving runs (`median_of_runs`: a stall can lift one run's share of 0.04-0.12
+    at costly starts past 0.15) of the share of speculative steps past LEARNING."""
+
+    def share() -> float:
         runner = timed_runner(0.6, 10e-3, 1e-3, buckets=(1, 2, 4, 8))
         run(8, 60, None, 4, runner, SimulatedDraft(1e-3, start_seconds), policy="adaptive", requests=128)
         widths = runner.widths[LEARNING:]
-        shares.append(sum(w > 1 for w in widths) / len(widths))
-    return sorted(shares)[runs // 2]
+        return sum(w > 1 for w in widths) / len(widths)
+
+    return median_of_runs(share)
 
 
 def test_speculation_whose_starts_cost_more_than_it_wins_settles_on_plain():
