@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from torch import Tensor
 
 from common.config import ModelConfig
 from common.distributed import Comm
@@ -25,6 +26,7 @@ from common.kv_cache import KVCache
 from common.loader import load_model, load_tokenizer
 from common.models.feature_draft import FeatureDraft
 from common.training import prompts as builtin_prompts
+from common.training.feature_cache import FeatureCache
 from common.training.feature_train import target_features, unrolled_hidden
 from common.training.train_draft import main as train_draft_main
 from specsplit.v1 import draft_pb2, draft_pb2_grpc
@@ -53,6 +55,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
         "--temperatures", "0", "--gen-batch-size", "32", "--steps", "40", "--batch-size", "16",
         "--warmup", "5", "--lr", "3e-3", "--markov-lr", "3e-2", "--log-every", "20",
         "--save-dtype", "float32", "--eval-prompts", "4", "--eval-max-new-tokens", "24", "--eval-k", "1,4",
+        "--feature-cache-gb", "0.01",
     ]  # fmt: skip
     assert train_draft_main(args) == 0
     return target, root / "run" / "draft", root
@@ -117,6 +120,64 @@ def test_training_features_equal_what_the_served_target_hands_its_draft(tmp_path
     assert served[:, 1:].abs().sum() > 0  # the streams themselves, not zeros on both sides
 
 
+def _padded(seqs: list[Tensor], rows: list[int], max_len: int) -> Tensor:
+    """get_batch's ids: the rows' sequences cut to max_len, right-padded with 0 to the longest."""
+    width = min(max_len, max(len(seqs[r]) for r in rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        n = min(width, len(seqs[r]))
+        ids[b, :n] = seqs[r][:n]
+    return ids
+
+
+@pytest.mark.parametrize("budget_rows", [None, 20])
+def test_feature_cache_computes_each_sequence_once_and_reads_it_back(tmp_path, budget_rows) -> None:
+    """The training feature cache: a batch of new sequences gets exactly target_features of that batch
+    (inside each sequence; zeros past it); a held sequence is read back bit for bit in later batches,
+    with no target forward for a batch it holds whole, and differs from a fresh forward over another
+    batch only by that batch shape's float rounding. With a budget of 20 rows the sequences past it are
+    computed in every batch that has them."""
+    target = load_model(make_tiny_model(tmp_path / "t", num_layers=3, seed=1), Comm())
+    layers = (0, 1, 2)
+    lengths = [5, 9, 3, 12, 7, 30]  # the last two cut at max_len 10
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 512, (n,), generator=gen) for n in lengths]
+    row_bytes = 3 * target.config.hidden_size * 4  # fp32 target
+    budget = 10**9 if budget_rows is None else budget_rows * row_bytes
+    cache = FeatureCache(target, layers, torch.tensor(lengths), 10, budget)
+    forwards = []
+    real = target.forward_streams
+    target.forward_streams = lambda ids, *a, **kw: forwards.append(ids.shape) or real(ids, *a, **kw)
+
+    first: dict[int, Tensor] = {}
+    for rows in ([0, 1, 2], [3, 4, 5], [5, 0, 2], [2, 3, 1, 0, 4, 5]):
+        ids = _padded(seqs, rows, 10)
+        held = set(cache.offset)
+        before = len(forwards)
+        got = cache.features(rows, ids)
+        assert len(forwards) - before == (0 if held.issuperset(rows) else 1)
+        fresh = target_features(target, ids, layers)
+        for b, r in enumerate(rows):
+            n = min(lengths[r], 10)
+            assert torch.equal(got[b, n:], torch.zeros_like(got[b, n:]))  # padding
+            if not held.intersection(rows):  # a batch of new sequences: its own forward, the same bits
+                assert torch.equal(got[b, :n], fresh[b, :n])
+            torch.testing.assert_close(got[b, :n], fresh[b, :n], rtol=1e-5, atol=1e-5)
+            if r in held:
+                assert torch.equal(got[b, :n], first[r])
+            first.setdefault(r, got[b, :n].clone())
+    stats = cache.stats()
+    if budget_rows is None:
+        assert stats["cached_sequences"] == 6 and stats["cached_tokens"] == 5 + 9 + 3 + 10 + 7 + 10
+        assert (stats["misses"], stats["hits"]) == (6, 9)
+        assert len(forwards) == 4 + 2  # the four fresh forwards, the cache's two
+    else:  # sequences 0, 1, 2 fit (17 rows); 3, 4, 5 are computed in each of their three batches
+        assert stats["cached_sequences"] == 3 and stats["cached_tokens"] == 17
+        assert (stats["misses"], stats["hits"]) == (3 + 3 + 1 + 3, 2 + 3)
+    cache.close()
+    assert cache.stats()["cached_sequences"] == 0
+
+
 def test_features_round_trip_the_wire_and_store() -> None:
     rows = torch.randn(5, 12)
     back = from_wire(to_wire(rows), 12, "verdicts.features")
@@ -155,6 +216,17 @@ def test_a_messages_features_land_in_one_copy_as_each_write_would(device) -> Non
             each.data[slot, start : start + len(rows)] = rows.to(device, torch.float32)
         assert torch.equal(many.data, each.data)
     assert many.data.abs().sum() > 0
+
+
+def test_training_computed_each_sequences_features_once(pair) -> None:
+    """The fixture's 40 steps of 16 sequences run 20 epochs over its 32 answers: with the cache the target
+    computed each answer's features once, in the first epoch, and every later batch read them back."""
+    log = [json.loads(line) for line in (pair[2] / "run" / "train.log").read_text().splitlines()]
+    sized = next(e for e in log if e["event"] == "feature_cache")
+    assert sized["capacity_tokens"] == sized["data_tokens"] > 0
+    last = [e for e in log if e["event"] == "train"][-1]
+    assert last["step"] == 40 and last["cached_sequences"] == 32
+    assert (last["misses"], last["hits"]) == (32, 40 * 16 - 32)
 
 
 def test_checkpoint_holds_the_draft_layer_and_reads_the_rest_from_the_target(pair) -> None:

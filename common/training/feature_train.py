@@ -214,16 +214,19 @@ def mlp_channels(target: Transformer, keep: int, sample_ids: Tensor | None = Non
 
 
 @torch.no_grad()
-def target_features(target: Transformer, ids: Tensor, layers: tuple[int, ...]) -> Tensor:
-    """ids [B, L] -> [B, L, F] fp32: at each position p the features of position p - 1 (zeros at 0), as
-    the served draft reads them (FeatureStore.previous)."""
+def target_features(
+    target: Transformer, ids: Tensor, layers: tuple[int, ...], dtype: torch.dtype | None = torch.float32
+) -> Tensor:
+    """ids [B, L] -> [B, L, F] in `dtype` (None: the target's own): at each position p the features of
+    position p - 1 (zeros at 0), as the served draft reads them (FeatureStore.previous)."""
     bsz, width = ids.shape
     cache = KVCache.for_model(target, bsz, width)
     positions = torch.arange(width, device=ids.device).expand(bsz, width)
     _, streams = target.forward_streams(
         ids, positions, torch.arange(bsz, device=ids.device), cache, width, layers, streams_only=True
     )
-    feats = torch.cat(streams, dim=-1).float()
+    feats = torch.cat(streams, dim=-1)
+    feats = feats if dtype is None else feats.to(dtype)
     return torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], dim=1)
 
 

@@ -37,12 +37,12 @@ from common.models.transformer import Transformer
 from common.training import prompts as builtin_prompts
 from common.training.data import Sequences, generate_batch, write_whole
 from common.training.draft import build_draft, save_draft, target_reference
+from common.training.feature_cache import FeatureCache, auto_budget
 from common.training.feature_train import (
     build_feature_draft,
     draft_vocab_ids,
     feature_acceptance,
     init_feature_draft,
-    target_features,
     ttt_loss,
 )
 from common.training.measure import acceptance, match_flags, target_texts
@@ -172,11 +172,16 @@ def batch_order(num_seqs: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(num_seqs, generator=gen).tolist()
 
 
-def get_batch(data: Sequences, step: int, batch_size: int, seed: int, max_len: int):
-    """(ids [B, L], topk_ids [B, L, K], topk_probs [B, L, K], mask [B, L]) for training step `step`."""
+def batch_rows(data: Sequences, step: int, batch_size: int, seed: int) -> list[int]:
+    """The sequences of training step `step`: epochs of batch_order, each cut into whole batches."""
     per_epoch = max(1, data.num_seqs // batch_size)
     order = batch_order(data.num_seqs, seed, step // per_epoch)
-    rows = order[(step % per_epoch) * batch_size : (step % per_epoch + 1) * batch_size]
+    return order[(step % per_epoch) * batch_size : (step % per_epoch + 1) * batch_size]
+
+
+def get_batch(data: Sequences, rows: list[int], max_len: int):
+    """(ids [B, L], topk_ids [B, L, K], topk_probs [B, L, K], mask [B, L]) of the sequences `rows`, each
+    cut to max_len tokens and padded to the longest."""
     slices = [data.row(i) for i in rows]
     width = min(max_len, max(s.stop - s.start for s in slices))
     k = data.topk_ids.shape[1]
@@ -226,10 +231,13 @@ def make_optimizer(draft: Transformer, args) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, weight_decay=args.weight_decay, betas=(0.9, 0.98))
 
 
-def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline, probe=None, loss_fn=None) -> int:
+def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline, probe=None, loss_fn=None,
+          stats=None) -> int:  # fmt: skip
     """Trains up to args.steps, saving state every --save-every steps; returns the step reached (less than
     args.steps when the deadline or --chunk-steps stopped it). `probe(draft)` -> dict, when given, is
-    logged every --eval-every steps (held-out acceptance: is more training still helping?)."""
+    logged every --eval-every steps (held-out acceptance: is more training still helping?).
+    `loss_fn(draft, rows, ids, topk_ids, topk_probs, mask)` -> (loss, KL) replaces distill_loss (rows:
+    the batch's sequences); `stats()` -> dict, when given, joins each log line."""
     opt = make_optimizer(draft, args)
     peak = [g["lr"] for g in opt.param_groups]
     state_file = args.out / STATE_FILE
@@ -259,11 +267,12 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline, prob
             save()
             log("time_limit", stage="train", step=step)
             return step
-        batch = [t.to(device) for t in get_batch(data, step, args.batch_size, args.seed, args.max_len)]
+        rows = batch_rows(data, step, args.batch_size, args.seed)
+        batch = [t.to(device) for t in get_batch(data, rows, args.max_len)]
         scale = lr_at(step, args)
         for g, lr in zip(opt.param_groups, peak):
             g["lr"] = lr * scale
-        ce, kl = (loss_fn or distill_loss)(draft, *batch)
+        ce, kl = loss_fn(draft, rows, *batch) if loss_fn else distill_loss(draft, *batch)
         opt.zero_grad(set_to_none=True)
         ce.backward()
         torch.nn.utils.clip_grad_norm_([p for p in draft.parameters() if p.requires_grad], 1.0)
@@ -287,6 +296,7 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline, prob
                 kl=round(kl_mean, 4),
                 lr_scale=round(scale, 4),
                 tokens_per_s=round(rate),
+                **(stats() if stats else {}),
             )
         if probe is not None and args.eval_every and step % args.eval_every == 0:
             log("heldout", echo=bar is None, step=step, **probe(draft))
@@ -445,6 +455,15 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fine-tune the embedding / LM head too (then they are saved with the draft)",
     )
+    ap.add_argument(
+        "--feature-cache-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="--kind feature: keep the target's features of the training sequences on the device, up to "
+        "this many GB, so that later epochs skip the target's forward (default: half the GPU memory free "
+        "once the models are loaded; none on the CPU)",
+    )
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--save-every", type=int, default=200)
     ap.add_argument("--chunk-steps", type=int, default=None, help="stop (resumable) after this many steps")
@@ -554,7 +573,8 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
     (feature_acceptance: real draft chains, not per-position agreement)."""
     layers = tuple(args.feature_layers or default_feature_layers(target.config.num_hidden_layers))
     # The MLP's channels are ranked on one training batch's MLP inputs of the target's last layer.
-    sample = get_batch(data, 0, min(16, args.batch_size), args.seed, args.max_len)[0].to(args.device)
+    sample = get_batch(data, batch_rows(data, 0, min(16, args.batch_size), args.seed), args.max_len)[0]
+    sample = sample.to(args.device)
     vocab_ids = None
     if args.draft_vocab is not None:
         try:
@@ -580,14 +600,21 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
     use_markov = draft.config.markov_rank > 0
     heldout = held_out(args, target, tokenizer, chat, eos)
 
-    def loss_fn(model, ids, tk_ids, tk_probs, mask):
-        feats = target_features(target, ids, layers)
+    gb = args.feature_cache_gb
+    budget = auto_budget(torch.device(args.device)) if gb is None else int(gb * 1e9)
+    cache = FeatureCache(target, layers, data.offsets.diff(), args.max_len, budget)
+    log("feature_cache", capacity_tokens=cache.capacity, data_tokens=int(cache.lengths.sum()),
+        bytes=cache.capacity * cache.size * cache.dtype.itemsize)  # fmt: skip
+
+    def loss_fn(model, rows, ids, tk_ids, tk_probs, mask):
+        feats = cache.features(rows, ids)
         return ttt_loss(model, feats, ids, tk_ids, tk_probs, mask, args.ttt_depth, use_markov)
 
     def probe(model) -> dict:
         return {f"k{k}": feature_acceptance(model, target, *heldout, k).alpha for k in args.eval_k}
 
-    steps_done = train(args, draft, data, log, deadline, probe, loss_fn)
+    steps_done = train(args, draft, data, log, deadline, probe, loss_fn, cache.stats)
+    cache.close()  # its memory back before the export and the evaluation
     if steps_done < args.steps and not (args.export_partial and steps_done > 0):
         return 0
     draft.eval()
