@@ -6,12 +6,14 @@ tensors; served as its own service (features on the Speculate stream as bf16) an
 (features read in place, rounds chained to the verify), greedy output equals plain decoding with drafts
 made and accepted; sampled verification with the feature draft keeps the target's distribution
 (chi-square with a power check); a target that captures no features, an old protocol and malformed
-features each get a clear answer.
+features each get a clear answer; a draft service killed mid-request and started again drafts for the
+running request again; training computes each sequence's target features once (the feature cache).
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import grpc
@@ -29,14 +31,17 @@ from common.training import prompts as builtin_prompts
 from common.training.feature_cache import FeatureCache
 from common.training.feature_train import target_features, unrolled_hidden
 from common.training.train_draft import main as train_draft_main
-from specsplit.v1 import draft_pb2, draft_pb2_grpc
+from specsplit.launch import free_port
+from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from tests.service_util import (
+    generate,
     generate_many,
     request,
     running,
     speculative_equals_plain,
     start_draft,
     start_target,
+    wait_for,
 )
 from tests.test_services_lossless import assert_first_tokens_follow
 from tests.tiny import make_tiny_model
@@ -258,6 +263,54 @@ def test_feature_draft_service_is_lossless_with_features_on_the_wire(pair) -> No
     assert sum(r.usage.accepted_tokens for r in spec) > 0
     # bf16: 2 bytes x 3 layers x 64 per committed token at least once
     assert feature_bytes >= 2 * 3 * 64 * sum(len(p) for p in prompts_for(target_dir, 4))
+
+
+@pytest.mark.slow
+def test_feature_draft_killed_mid_request_then_back_drafts_for_it_again(pair) -> None:
+    """The draft service dies while a long greedy request runs: the target decodes on plainly, and when a
+    new draft comes up on the same address the request is started on it again with the features of every
+    token it has committed (the new stream's start), then drafted for and accepted until it ends. Its
+    output equals plain decoding."""
+    target_dir, draft_dir, log_dir = pair
+    port = free_port()
+    draft = start_draft(draft_dir, log_dir, port=port).wait_ready()
+    flags = ("--draft-feature-layers", LAYERS, "--draft-backoff-max", "0.3", "--max-context-length", "2048")
+    target = start_target(target_dir, log_dir, draft, *flags, name="target-restart").wait_ready()
+    ids = prompts_for(target_dir, 1)[0]
+    n = 2048 - len(ids) - 8
+    with running(target), grpc.insecure_channel(target.address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        want = generate(stub, request(ids, max_new_tokens=n, k=0)).ids
+        box: dict = {}
+        thread = threading.Thread(target=lambda: box.update(r=generate(stub, request(ids, max_new_tokens=n))))
+        thread.start()
+        try:
+            wait_for(
+                lambda: target.metric("specsplit_spec_accepted_tokens_total") > 10, 60, "accepted drafts"
+            )
+            draft.popen.kill()
+            wait_for(lambda: target.metric("specsplit_draft_connected") == 0, 30, "the target to see it gone")
+            with running(start_draft(draft_dir, log_dir, port=port).wait_ready()):
+                wait_for(
+                    lambda: target.metric("specsplit_draft_connected") == 1, 30, "the target to reconnect"
+                )
+                assert thread.is_alive(), "the request ended before the draft was back: lengthen it"
+                drafted, accepted, sent = (
+                    target.metric("specsplit_spec_draft_tokens_total"),
+                    target.metric("specsplit_spec_accepted_tokens_total"),
+                    target.metric("specsplit_grpc_payload_bytes_total", kind="target_features"),
+                )
+                thread.join(300)
+                assert target.metric("specsplit_draft_reconnects_total") >= 1
+                assert target.metric("specsplit_spec_draft_tokens_total") > drafted
+                assert target.metric("specsplit_spec_accepted_tokens_total") > accepted
+                # The start on the new stream carried a feature row for every committed token but the last
+                # (bf16, 3 layers x 64): far more than the running request's verdicts would.
+                resent = target.metric("specsplit_grpc_payload_bytes_total", kind="target_features") - sent
+                assert resent >= 2 * 3 * 64 * (len(ids) + 50), resent
+        finally:
+            thread.join(300)
+    assert box["r"].ids == want
 
 
 @pytest.mark.slow
