@@ -461,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GB",
         help="--kind feature: keep the target's features of the training sequences on the device, up to "
-        "this many GB, so that later epochs skip the target's forward (default: half the GPU memory free "
+        "this many GB, so that later epochs skip the target's forward (default: 40 %% of the GPU memory free "
         "once the models are loaded; none on the CPU)",
     )
     ap.add_argument("--log-every", type=int, default=10)
