@@ -246,3 +246,30 @@ def test_init_draft_is_refused_for_a_layer_draft_and_a_non_feature_checkpoint(ta
     ]  # fmt: skip
     with pytest.raises(SystemExit, match=r"--init-draft .*not a feature draft"):
         train_draft_main(args)
+
+
+def test_held_out_table_counts_second_choices_and_tokens_outside_the_draft_vocab(target) -> None:
+    """feature_acceptance's first-position figures: a full-vocab draft can propose every token (none out of
+    vocab), and its first or second choice covers at least what its first choice accepts (at k = 1 the
+    agreement); a draft whose reduced vocab holds none of the answers' tokens has every round's first
+    target token out of vocab, none in its top two, and accepts nothing."""
+    from common.training.feature_train import feature_acceptance
+    from common.training.measure import target_texts
+
+    _, model = target
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (6,), generator=gen).tolist() for _ in range(3)]
+    answers = target_texts(model, prompts, 20, eos=set())  # the target's greedy continuations
+    full = build_feature_draft(model, (0, 1, 2), 8, seed=0)
+    one = feature_acceptance(full, model, prompts, answers, 1)
+    assert one.first_out_of_vocab == 0 and one.rounds > 0
+    # An untrained draft that starts as the target's last layer agrees now and then, not always.
+    assert 0 < one.agreement < one.first_top2 < 1, one
+    assert one.as_dict()["first_top2"] == round(one.first_top2, 4)
+    # A vocab of the ids no answer holds: no answer token can be proposed.
+    seen = {t for a in answers for t in a}
+    unseen = torch.tensor(sorted(set(range(512)) - seen))
+    outside = build_feature_draft(model, (0, 1, 2), 8, seed=0, vocab_ids=unseen)
+    none = feature_acceptance(outside, model, prompts, answers, 4)
+    assert (none.first_out_of_vocab, none.first_top2, none.mean_accepted) == (1.0, 0.0, 0.0)
+    assert none.rounds == sum(len(a) for a in answers)  # each round commits only the target's token

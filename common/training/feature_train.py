@@ -315,9 +315,15 @@ def feature_acceptance(
 ) -> Acceptance:
     """Greedy speculative rounds replayed as served: each round drafts k tokens through the chain (target
     features up to the committed tokens, then the draft's own), the target's answer accepts a prefix and
-    adds one token. Accepted per round -> mean, per-token alpha."""
+    adds one token. Accepted per round -> mean, per-token alpha; and at each round's first drafted
+    position, how often the target's token is the draft's first or second choice, and how often the
+    draft's vocabulary lacks it (Acceptance.first_top2, first_out_of_vocab)."""
     device = draft.model.embed_tokens.weight.device
     accepted_all, agree, total = [], 0, 0
+    top2 = out_of_vocab = 0  # rounds whose first target token is the draft's top 2 / outside its vocab
+    proposable = torch.zeros(target.config.vocab_size, dtype=torch.bool, device=device)
+    head_rows = draft.config.draft_vocab_size or draft.config.vocab_size
+    proposable[draft.map_to_target(torch.arange(head_rows, device=device))] = True
     for prompt, answer in zip(prompts, answers):
         seq = torch.tensor([prompt + answer], device=device)
         feats = target_features(target, seq, tuple(draft.config.feature_layers)).to(device)
@@ -332,7 +338,12 @@ def feature_acceptance(
             hidden, aux, prev = hidden[:, -1], aux[:, -1], seq[:, p - 1]
             drafted = []
             for j in range(k):
-                token = draft.map_to_target(draft.compute_logits(hidden, prev).argmax(-1))
+                logits = draft.compute_logits(hidden, prev)
+                token = draft.map_to_target(logits.argmax(-1))
+                if j == 0:
+                    first = int(seq[0, p])
+                    top2 += first in draft.map_to_target(logits[0].topk(2).indices).tolist()
+                    out_of_vocab += not bool(proposable[first])
                 drafted.append(int(token))
                 if j == k - 1:
                     break
@@ -348,4 +359,6 @@ def feature_acceptance(
             total += len(truth[:k])
             p += a + 1
     mean = sum(accepted_all) / max(1, len(accepted_all))
-    return Acceptance(k, mean, solve_alpha(mean, k), len(accepted_all), agree / max(1, total))
+    rounds = max(1, len(accepted_all))
+    return Acceptance(k, mean, solve_alpha(mean, k), len(accepted_all), agree / max(1, total), top2 / rounds,
+                      out_of_vocab / rounds)  # fmt: skip

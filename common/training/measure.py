@@ -32,15 +32,24 @@ class Acceptance:
     alpha: float  # per-token acceptance solved from mean_accepted
     rounds: int
     agreement: float  # fraction of positions where the draft's next token is the target's
+    # Feature drafts (feature_acceptance), at each round's first drafted position: the fraction of rounds
+    # whose target token is the draft's first or second choice (what verifying two candidates there would
+    # accept), and whose target token the draft's reduced vocabulary cannot propose at all.
+    first_top2: float | None = None
+    first_out_of_vocab: float | None = None
 
     def as_dict(self) -> dict:
-        return {
+        out = {
             "k": self.k,
             "mean_accepted": round(self.mean_accepted, 4),
             "alpha": round(self.alpha, 4),
             "rounds": self.rounds,
             "agreement": round(self.agreement, 4),
         }
+        for name in ("first_top2", "first_out_of_vocab"):
+            if getattr(self, name) is not None:
+                out[name] = round(getattr(self, name), 4)
+        return out
 
 
 def solve_alpha(mean_accepted: float, k: int) -> float:
