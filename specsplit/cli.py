@@ -44,6 +44,7 @@ DISPATCH = {
     "serve-draft": ("draft_service.__main__", "run the draft service"),
     "serve-target": ("target_service.__main__", "run the target service"),
     "train-draft": ("common.training.train_draft", "distil a draft (layers + Markov head) for a target"),
+    "eval-draft": ("common.training.eval_draft", "a trained draft's held-out acceptance against its target"),
     "serve": (
         "target_service.serve",
         "serve a model: a target with its draft, gRPC and an OpenAI-style HTTP API",

@@ -29,7 +29,7 @@ from common.loader import load_model, load_tokenizer
 from common.models.feature_draft import FeatureDraft
 from common.training import prompts as builtin_prompts
 from common.training.feature_cache import FeatureCache
-from common.training.feature_train import target_features, unrolled_hidden
+from common.training.feature_train import feature_acceptance, target_features, unrolled_hidden
 from common.training.train_draft import main as train_draft_main
 from specsplit.launch import free_port
 from specsplit.v1 import draft_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -232,6 +232,31 @@ def test_training_computed_each_sequences_features_once(pair) -> None:
     last = [e for e in log if e["event"] == "train"][-1]
     assert last["step"] == 40 and last["cached_sequences"] == 32
     assert (last["misses"], last["hits"]) == (32, 40 * 16 - 32)
+
+
+def test_eval_draft_replays_the_held_out_answers_as_training_does(pair, tmp_path) -> None:
+    """`specsplit eval-draft`: the target named by the draft's config answers the held-out prompts, and the
+    table is feature_acceptance's over those answers; a second run reads the saved answers back and gives
+    the same table. A directory without a config is refused naming --draft."""
+    from common.training.eval_draft import main as eval_draft_main
+
+    target_dir, draft_dir, _ = pair
+    answers, out = tmp_path / "answers.json", tmp_path / "eval.json"
+    args = ["--draft", str(draft_dir), "--prompts", "3", "--max-new-tokens", "12", "--k", "1,4",
+            "--device", "cpu", "--answers", str(answers), "--out", str(out)]  # fmt: skip
+    assert eval_draft_main(args) == 0
+    table = json.loads(out.read_text())
+    held = json.loads(answers.read_text())
+    assert table["prompts"] == len(held["prompts"]) == 3 and table["target"] == str(target_dir.resolve())
+    target, draft = load_model(target_dir, Comm()), load_model(draft_dir, Comm())
+    for k in (1, 4):
+        want = feature_acceptance(draft, target, held["prompts"], held["answers"], k).as_dict()
+        assert table["drafts"]["feature"][f"k{k}"] == want
+    assert table["drafts"]["feature"]["k4"]["mean_accepted"] > 0
+    out.unlink()
+    assert eval_draft_main(args) == 0 and json.loads(out.read_text()) == table
+    with pytest.raises(SystemExit, match=r"--draft .*: no config\.json"):
+        eval_draft_main(["--draft", str(tmp_path)])
 
 
 def test_checkpoint_holds_the_draft_layer_and_reads_the_rest_from_the_target(pair) -> None:
