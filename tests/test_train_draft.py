@@ -355,3 +355,18 @@ def test_generated_data_is_each_prompt_decoded_alone(tmp_path: Path) -> None:
         torch.testing.assert_close(data.topk_probs[data.row(b)], want_probs, rtol=1e-4, atol=1e-6)
         assert data.trained[data.row(b)].tolist() == [i >= len(prompt) - 1 for i in range(len(tokens))]
     assert ended >= 1
+
+
+def test_eval_draft_gives_the_table_training_wrote(run: Path, tmp_path: Path) -> None:
+    """`specsplit eval-draft` on the trained layer draft, with the held-out prompts and lengths of the run's
+    evaluation: the same table as its eval.json (the same answers, the same teacher-forced choices)."""
+    from common.training.eval_draft import main as eval_draft_main
+
+    out = tmp_path / "eval.json"
+    args = ["--draft", str(run / "run" / "draft"), "--prompts", EVAL[EVAL.index("--eval-prompts") + 1],
+            "--max-new-tokens", EVAL[EVAL.index("--eval-max-new-tokens") + 1], "--k", "2,4,6",
+            "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert eval_draft_main(args) == 0
+    table = json.loads(out.read_text())["drafts"]["trained_markov"]
+    assert table == json.loads((run / "run" / "eval.json").read_text())["drafts"]["trained_markov"]
+    assert table["k4"]["mean_accepted"] > 0
