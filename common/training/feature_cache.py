@@ -3,12 +3,12 @@
 Under a one-layer feature draft the target's forward is most of a training step's arithmetic: for
 Qwen2.5-Coder-1.5B and batches of 32 x 512 tokens about 38 TFLOP (2 x the 1.17 B weights of the 25
 layers it runs x 16 384 tokens) against about 18 for the draft's training-time test over 4 positions,
-forward and backward, with its 32768-row head. A training stage reads its data two to five times, so every epoch
-after the first recomputes features it already had. The cache
-keeps each sequence's features, as `target_features` returns them but in the target's own dtype (bf16
-for a bf16 target: the exact values, half the bytes of fp32), in one flat [tokens, F] tensor on the
-training device, until its byte budget is spent; sequences past it are computed in every step as before.
-A batch's features are one gather from the cache plus one target forward over the rows it lacks.
+forward and backward, with its 32768-row head. A training stage reads its data two to five times, so
+every epoch after the first recomputes features it already had. The cache keeps each sequence's
+features, as `target_features` returns them but in the target's own dtype (bf16 for a bf16 target: the
+exact values, half the bytes of fp32), in one flat [tokens, F] tensor on the training device, until its
+byte budget is spent; sequences past it are computed in every step as before. A batch's features are one
+gather from the cache plus one target forward over the rows it lacks.
 """
 
 from __future__ import annotations
