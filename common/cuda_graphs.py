@@ -49,9 +49,17 @@ def capture(fn: Callable[[], Any], device: torch.device, pool) -> tuple[torch.cu
 def copy_from_host(out: Tensor, values: Tensor) -> None:
     """values (on the CPU, as many elements as `out`) -> out (contiguous), without waiting for it. On a GPU
     the bytes go through page-locked memory from PyTorch's caching host allocator, which reuses a block
-    only once the copy that read it is done; a copy from pageable memory would wait for the device."""
+    only once the copy that read it is done; a copy from pageable memory may make the host wait for the
+    device."""
     src = values.reshape(-1)
     out.view(-1).copy_(src.pin_memory() if out.is_cuda else src, non_blocking=True)
+
+
+def to_device(values: Tensor, device: torch.device) -> Tensor:
+    """values (on the CPU) -> a new tensor of the same shape on `device` (copy_from_host)."""
+    out = torch.empty(values.shape, dtype=values.dtype, device=device)
+    copy_from_host(out, values)
+    return out
 
 
 def buckets(limit: int, start: int = 1) -> list[int]:

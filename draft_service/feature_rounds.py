@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from common.batch import pack
+from common.cuda_graphs import to_device
 from common.features import FeatureStore
 from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
@@ -68,7 +69,7 @@ class FeatureRounds(GreedyRounds):
         ctx = next((c for c in self.ctx_buckets if c >= needed), self.ctx_buckets[-1])
         static = self._static(padded, width)
         info = torch.tensor([index, bases, slots], dtype=torch.int64)
-        idx, base, slot = info.to(self.device, non_blocking=True)
+        idx, base, slot = to_device(info, self.device)
         rows = packed[idx]  # [n, width + 2]: emitted tokens (-1 past them), accepted, emitted
         fed = rows[:, :width].clamp(min=0).to(torch.int64)
         span = torch.arange(width, device=self.device)

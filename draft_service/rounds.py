@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from common.batch import pack
-from common.cuda_graphs import StaticStep, buckets, capture, copy_from_host
+from common.cuda_graphs import StaticStep, buckets, capture, copy_from_host, to_device
 from common.distributed import add_comm_stats
 from common.kernels.fused import eager_shapes
 
@@ -205,7 +205,7 @@ class GreedyRounds:
             parts += [tokens[live, done : done + width].ravel(), positions.ravel(), slot_ids[live]]
             chunks.append((len(live), width, min(r.max_len, int(first[live].max()) + done + width)))
             done += width
-        flat = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)
+        flat = to_device(torch.from_numpy(np.concatenate(parts)), self.device)
         at = 0
         for n, width, ctx in chunks:
             m = n * width
@@ -324,7 +324,7 @@ class GreedyRounds:
         ctx = next((c for c in self.ctx_buckets if c >= ctx_needed), self.ctx_buckets[-1])
         static = self._static(padded, 2)
         info = torch.tensor([index, bases, extras, slots], dtype=torch.int64)
-        idx, base, extra, slot = info.to(self.device, non_blocking=True)
+        idx, base, extra, slot = to_device(info, self.device)
         rows = packed[idx]  # [n, width + 2]
         accepted = rows[:, width]
         m = torch.minimum(accepted, extra)

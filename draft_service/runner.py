@@ -18,7 +18,7 @@ import logging
 import torch
 
 from common.batch import pack
-from common.cuda_graphs import warm_eager_shapes
+from common.cuda_graphs import to_device, warm_eager_shapes
 from common.distributed import Comm
 from common.kernels.fused import eager_shapes
 from common.kernels.sampling import sample_draft_topk
@@ -112,7 +112,7 @@ class DraftRunner:
             src += [s] * n
             dst += [d] * n
             pos += range(a, a + n)
-        idx = torch.tensor([src, dst, pos], dtype=torch.int64).to(self.device, non_blocking=True)
+        idx = to_device(torch.tensor([src, dst, pos], dtype=torch.int64), self.device)
         for cache in (*self.cache.k, *self.cache.v):
             cache[idx[1], idx[2]] = cache[idx[0], idx[2]]
 

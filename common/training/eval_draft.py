@@ -29,9 +29,8 @@ from common.draft_checkpoint import resolve_target_path, shared_weights_spec
 from common.loader import load_model, load_tokenizer
 from common.models.feature_draft import FeatureDraft
 from common.training import prompts as builtin_prompts
-from common.training.feature_train import feature_acceptance
-from common.training.measure import acceptance, match_flags, target_texts
-from common.training.train_draft import eos_ids, parse_ints, prompt_ids
+from common.training.feature_train import feature_table
+from common.training.train_draft import eos_ids, held_out_answers, layer_table, parse_ints
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,18 +64,17 @@ def default_target(draft_dir: Path) -> Path:
     return resolve_target_path(draft_dir, spec["path"]).resolve()
 
 
-def held_out_answers(args, target, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompts, the target's greedy answers), from --answers when that file exists."""
+def answers_for(args, target, tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, the target's greedy answers), from --answers when that file exists (else written there)."""
     if args.answers is not None and args.answers.exists():
         given = json.loads(args.answers.read_text())
         return given["prompts"], given["answers"]
     chat = bool(getattr(tokenizer, "chat_template", None)) and not args.no_chat
-    texts = builtin_prompts.PROMPT_SETS[args.prompt_set].held_out()[: args.prompts]
-    prompts = prompt_ids(tokenizer, texts, chat)
-    answers = target_texts(target, prompts, args.max_new_tokens, eos_ids(tokenizer, target))
+    heldout = held_out_answers(target, tokenizer, args.prompt_set, args.prompts, args.max_new_tokens, chat,
+                               eos_ids(tokenizer, target))  # fmt: skip
     if args.answers is not None:
-        args.answers.write_text(json.dumps({"prompts": prompts, "answers": answers}) + "\n")
-    return prompts, answers
+        args.answers.write_text(json.dumps({"prompts": heldout[0], "answers": heldout[1]}) + "\n")
+    return heldout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,14 +90,13 @@ def main(argv: list[str] | None = None) -> int:
     if draft.config.vocab_size != target.config.vocab_size:
         raise SystemExit(f"--draft {args.draft}: vocab {draft.config.vocab_size}, the target's is "
                          f"{target.config.vocab_size}")  # fmt: skip
-    prompts, answers = held_out_answers(args, target, load_tokenizer(target_path))
+    heldout = answers_for(args, target, load_tokenizer(target_path))
     if isinstance(draft, FeatureDraft):
-        kind, table = "feature", {f"k{k}": feature_acceptance(draft, target, prompts, answers, k).as_dict()
-                                  for k in args.k}  # fmt: skip
+        kind, table = "feature", feature_table(draft, target, heldout, args.k)
     else:
         kind = "trained_markov" if draft.config.markov_rank else "trained_head_off"
-        matches = match_flags(draft, prompts, answers, use_markov=draft.config.markov_rank > 0)
-        table = {f"k{k}": acceptance(matches, k).as_dict() for k in args.k}
+        table = layer_table(draft, draft.config.markov_rank > 0, heldout, args.k)
+    prompts, answers = heldout
     result = {"draft": str(args.draft), "target": str(target_path), "prompt_set": args.prompt_set,
               "prompts": len(prompts), "answer_tokens": sum(map(len, answers)),
               "drafts": {kind: table}}  # fmt: skip

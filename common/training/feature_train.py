@@ -362,3 +362,8 @@ def feature_acceptance(
     rounds = max(1, len(accepted_all))
     return Acceptance(k, mean, solve_alpha(mean, k), len(accepted_all), agree / max(1, total), top2 / rounds,
                       out_of_vocab / rounds)  # fmt: skip
+
+
+def feature_table(draft: FeatureDraft, target: Transformer, heldout, ks) -> dict:
+    """{"k<k>": Acceptance.as_dict()} of feature_acceptance on (prompts, answers) at each k of `ks`."""
+    return {f"k{k}": feature_acceptance(draft, target, *heldout, k).as_dict() for k in ks}

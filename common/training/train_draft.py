@@ -42,6 +42,7 @@ from common.training.feature_train import (
     build_feature_draft,
     draft_vocab_ids,
     feature_acceptance,
+    feature_table,
     init_feature_draft,
     ttt_loss,
 )
@@ -309,14 +310,27 @@ def train(args, draft: Transformer, data: Sequences, log: RunLog, deadline, prob
 
 
 # ------------------------------------------------------------------------------------------------ stage 3
+def held_out_answers(target, tokenizer, prompt_set: str, num: int, max_new_tokens: int, chat: bool,
+                     eos: set[int]) -> tuple[list[list[int]], list[list[int]]]:  # fmt: skip
+    """(the first `num` held-out prompts of `prompt_set`, the target's greedy answers to them)."""
+    texts = builtin_prompts.PROMPT_SETS[prompt_set].held_out()[:num]
+    prompts = prompt_ids(tokenizer, texts, chat)
+    return prompts, target_texts(target, prompts, max_new_tokens, eos)
+
+
 def held_out(args, target, tokenizer, chat, eos) -> tuple[list[list[int]], list[list[int]]]:
     """(prompts, the target's greedy answers) of the held-out prompts."""
     if args.eval_answers:  # precomputed where the whole target could not go (see --existing-data-only)
         given = json.loads(args.eval_answers.read_text())
         return given["prompts"], given["answers"]
-    texts = builtin_prompts.PROMPT_SETS[args.prompt_set].held_out()[: args.eval_prompts]
-    prompts = prompt_ids(tokenizer, texts, chat)
-    return prompts, target_texts(target, prompts, args.eval_max_new_tokens, eos)
+    return held_out_answers(target, tokenizer, args.prompt_set, args.eval_prompts, args.eval_max_new_tokens,
+                            chat, eos)  # fmt: skip
+
+
+def layer_table(draft: Transformer, use_markov: bool, heldout, ks) -> dict:
+    """{"k<k>": Acceptance.as_dict()} of a layer draft's teacher-forced choices on (prompts, answers)."""
+    matches = match_flags(draft, *heldout, use_markov)
+    return {f"k{k}": acceptance(matches, k).as_dict() for k in ks}
 
 
 def evaluate(args, heldout, drafts: dict[str, tuple[Transformer, bool]]) -> dict:
@@ -324,8 +338,7 @@ def evaluate(args, heldout, drafts: dict[str, tuple[Transformer, bool]]) -> dict
     prompts, answers = heldout
     result = {"prompts": len(prompts), "answer_tokens": sum(map(len, answers)), "drafts": {}}
     for name, (model, use_markov) in drafts.items():
-        matches = match_flags(model, prompts, answers, use_markov)
-        result["drafts"][name] = {f"k{k}": acceptance(matches, k).as_dict() for k in args.eval_k}
+        result["drafts"][name] = layer_table(model, use_markov, heldout, args.eval_k)
     return result
 
 
@@ -631,7 +644,7 @@ def train_feature_draft(args, target, tokenizer, chat, eos, data, log: RunLog, d
     }
     target_ref = target_reference(args.target, args.out / "draft", args.target_ref)
     size = save_draft(draft, args.out / "draft", target_ref, args.save_dtype, args.include_shared, extra)
-    table = {f"k{k}": feature_acceptance(draft, target, *heldout, k).as_dict() for k in args.eval_k}
+    table = feature_table(draft, target, heldout, args.eval_k)
     result = {"prompts": len(heldout[0]), "answer_tokens": sum(map(len, heldout[1])),
               "drafts": {"feature": table}, "draft_bytes": size}  # fmt: skip
     (args.out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
